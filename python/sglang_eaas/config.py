@@ -1,0 +1,157 @@
+"""``--eaas`` command-line options and the ``EaasConfig`` record they produce.
+
+The record rides on SGLang's ``ServerArgs`` as the bookkeeping attribute ``_eaas`` (a plugin cannot
+add struct fields), which SGLang pickles into every scheduler/detokenizer process. Unpickling it
+in a worker loads the plugins there and checks that sglang-eaas is really active, so a worker in
+which the plugin failed exits with a clear error instead of silently serving without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalServers:
+    """Spawn ``count`` expert servers on this host (``local:N``)."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class RemoteServers:
+    """Connect to expert servers started separately (``host:port,host:port``)."""
+
+    addresses: tuple[str, ...]
+
+
+def parse_expert_servers(spec: str) -> LocalServers | RemoteServers:
+    """Parse ``--eaas-expert-servers``; raises ``argparse.ArgumentTypeError`` on bad input."""
+    spec = spec.strip()
+    if spec.startswith("local:"):
+        count = spec[len("local:") :]
+        if not count.isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(f"'local:N' needs a whole number N >= 1, got {spec!r}")
+        return LocalServers(int(count))
+    addresses = tuple(a.strip() for a in spec.split(",") if a.strip())
+    for address in addresses:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError(
+                f"{address!r} is not 'local:N' nor a 'host:port' expert-server address"
+            )
+    if not addresses:
+        raise argparse.ArgumentTypeError("expected 'local:N' or a list of host:port addresses")
+    return RemoteServers(addresses)
+
+
+def existing_file(path: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise argparse.ArgumentTypeError(f"{path!r} is not a readable file")
+    return p
+
+
+@dataclass(frozen=True)
+class EaasConfig:
+    """What the attention client needs to know about its expert servers."""
+
+    expert_servers: LocalServers | RemoteServers = LocalServers(2)
+    placement: Path | None = None
+
+    def __reduce__(self):
+        return (_restore_in_worker, (self.expert_servers, self.placement))
+
+
+def _restore_in_worker(
+    expert_servers: LocalServers | RemoteServers, placement: Path | None
+) -> EaasConfig:
+    """Unpickle hook: a worker process only gets an EaasConfig if the plugin is active in it."""
+    from sglang_eaas import plugin
+
+    plugin.ensure_active_in_process()
+    config = EaasConfig(expert_servers, placement)
+    logger.warning(
+        "sglang-eaas: %s (pid %d) received %s; the expert-server data path is not part of "
+        "this version yet, so routed experts still run in this process",
+        multiprocessing.current_process().name,
+        multiprocessing.current_process().pid,
+        config,
+    )
+    return config
+
+
+class _EnableEaas(argparse.Action):
+    """``--eaas``: refuses at parse time when the plugin's hooks did not all apply."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from sglang_eaas import plugin
+
+        missing = plugin.unapplied_hooks()
+        if missing:
+            parser.error(plugin.inactive_message(missing))
+        setattr(namespace, self.dest, True)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the ``--eaas`` option group to SGLang's server parser."""
+    group = parser.add_argument_group(
+        "sglang-eaas", "Expert-as-a-Service: routed MoE experts on separate expert servers."
+    )
+    group.add_argument(
+        "--eaas",
+        action=_EnableEaas,
+        nargs=0,
+        default=False,
+        help="Serve the routed experts of every MoE layer on separate, stateless expert servers; "
+        "attention, router and shared experts stay in this server.",
+    )
+    group.add_argument(
+        "--eaas-expert-servers",
+        type=parse_expert_servers,
+        default=None,
+        metavar="SPEC",
+        help="Where the expert servers are: 'local:N' spawns N expert servers on this host with an "
+        "even expert placement (default local:2); 'host:port,host:port,...' connects to servers "
+        "started separately with 'python -m sglang_eaas.expert_server'.",
+    )
+    group.add_argument(
+        "--eaas-placement",
+        type=existing_file,
+        default=None,
+        metavar="FILE",
+        help="File mapping each expert server to the experts it holds (replicas allowed), "
+        "instead of the even placement; format in docs/plugin.md.",
+    )
+
+
+def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
+    """Build the config from parsed args; ``None`` without ``--eaas``.
+
+    Raises ``ValueError`` when an ``--eaas-*`` option is given without ``--eaas``.
+    """
+    if not getattr(args, "eaas", False):
+        given = [
+            f"--{name.replace('_', '-')}"
+            for name in ("eaas_expert_servers", "eaas_placement")
+            if getattr(args, name, None) is not None
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --eaas; add --eaas or drop them")
+        return None
+    if args.eaas_expert_servers is None:
+        return EaasConfig(placement=args.eaas_placement)
+    return EaasConfig(args.eaas_expert_servers, args.eaas_placement)
+
+
+def current() -> EaasConfig | None:
+    """The config of the server this process belongs to, or ``None`` when ``--eaas`` is off."""
+    from sglang.srt.runtime_context import get_server_args
+
+    return getattr(get_server_args(), "_eaas", None)

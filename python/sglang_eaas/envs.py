@@ -1,0 +1,28 @@
+"""Every environment variable sglang-eaas reads, defined once (prefix ``SGLANG_EAAS_``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """A documented environment variable with a string default."""
+
+    name: str
+    default: str
+    doc: str
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+
+CPU_RUNTIME = EnvVar(
+    "SGLANG_EAAS_CPU_RUNTIME",
+    "auto",
+    "CPU runtime for SGLang (docs/cpu-runtime.md). 'auto': on when the machine has no CUDA device "
+    "and no real sgl_kernel is installed; 'on'/'off' force it.",
+)
+
+ALL = (CPU_RUNTIME,)

@@ -1,0 +1,98 @@
+"""The SGLang plugin: every hook sglang-eaas puts into SGLang is registered here, in one table.
+
+Entry point ``sglang.srt.plugins: eaas = sglang_eaas.plugin:register``. SGLang calls
+``register()`` in every process (launcher, scheduler, detokenizer) and then applies the hooks; it
+only *logs* a failing plugin or hook, so ``ensure_active_in_process()`` turns that into an error
+wherever ``--eaas`` is in force. An SGLang upgrade should only need to touch this file.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+from sglang_eaas import config
+from sglang_eaas.cpu_runtime import moe_native_ep, server_defaults
+
+
+class Hook(NamedTuple):
+    target: str  # dotted path in SGLang 0.5.23
+    kind: str  # HookType name: BEFORE | AFTER | AROUND | REPLACE
+    fn: Callable[..., Any]
+    why: str
+
+
+def _add_cli_args(add_cli_args: Callable, parser: Any) -> None:
+    add_cli_args(parser)
+    config.add_cli_args(parser)
+
+
+def _from_cli_args(server_args: Any, cls: type, args: Any) -> Any:
+    try:
+        eaas = config.from_cli_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if eaas is not None:
+        server_args._eaas = eaas  # bookkeeping attribute: pickled along to every worker
+    return server_args
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook(
+        "sglang.srt.server_args.ServerArgs.add_cli_args",
+        "AROUND",
+        _add_cli_args,
+        "add the --eaas option group",
+    ),
+    Hook(
+        "sglang.srt.server_args.ServerArgs.from_cli_args",
+        "AFTER",
+        _from_cli_args,
+        "carry the parsed --eaas options on ServerArgs._eaas",
+    ),
+    Hook(
+        "sglang.srt.arg_groups.platform_hook.handle_cpu_backends",
+        "AROUND",
+        server_defaults.apply,
+        "CPU runtime defaults: torch_native attention, sleep-on-idle, per-rank core binding",
+    ),
+    Hook(
+        "sglang.srt.layers.moe.fused_moe_native.moe_forward_native",
+        "AROUND",
+        moe_native_ep.moe_forward_native_ep,
+        "CPU MoE path correct with --ep > 1 (non-local experts arrive as id -1)",
+    ),
+)
+
+
+def register() -> None:
+    """Entry point: register every hook with SGLang's HookRegistry."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for hook in HOOKS:
+        HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
+
+
+def unapplied_hooks() -> list[str]:
+    """Targets of ``HOOKS`` that SGLang has not patched in this process."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return [hook.target for hook in HOOKS if hook.target not in HookRegistry._patched]
+
+
+def inactive_message(missing: list[str]) -> str:
+    return (
+        "--eaas was given but the sglang-eaas plugin is not active in this process "
+        f"(hooks not applied: {', '.join(missing)}). Check that sglang-eaas is installed in this "
+        "environment, that SGLANG_PLUGINS (if set) includes 'eaas', and the plugin errors "
+        "logged above; for this sglang version see docs/plugin.md."
+    )
+
+
+def ensure_active_in_process() -> None:
+    """Load SGLang's plugins here (idempotent) and raise if sglang-eaas's hooks are not applied."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    missing = unapplied_hooks()
+    if missing:
+        raise RuntimeError(inactive_message(missing))

@@ -1,0 +1,1 @@
+"""Command-line tools that ship with sglang-eaas (``python -m sglang_eaas.tools.<name>``)."""

@@ -1,0 +1,121 @@
+"""Run ``python -m sglang.launch_server`` as a child process and talk to it over HTTP.
+
+Used by the demo, the tests and the benchmarks: start on a free loopback port, wait until
+``/health_generate`` answers, send requests, stop the whole process group cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+# What the CPU tests and the demo pass on top of the user's arguments. The CPU runtime supplies
+# torch_native attention and sleep-on-idle by itself; see docs/cpu-runtime.md.
+CPU_ARGS = ("--device", "cpu", "--max-total-tokens", "4096")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerError(RuntimeError):
+    """The server process exited or did not become ready; the message ends with its log tail."""
+
+
+class SGLangServer:
+    """One SGLang HTTP server child process; use as a context manager."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *args: str,
+        log_path: str | Path,
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 300.0,
+    ):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        self.command = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+            "--host", "127.0.0.1", "--port", str(self.port), *args,
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "SGLangServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"server exited with code {self.process.returncode}\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.url}/health_generate", timeout=5).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(f"server not ready after {self.startup_timeout:.0f}s\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 16) -> dict[str, Any]:
+        """Greedy ``/generate``; ``prompt`` is text or token ids."""
+        key = "text" if isinstance(prompt, str) else "input_ids"
+        body = {
+            key: prompt,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                                "ignore_eos": True},
+        }
+        return self._post("/generate", body)
+
+    def chat(self, content: str, max_tokens: int = 16) -> dict[str, Any]:
+        """Greedy ``/v1/chat/completions`` with one user message."""
+        body = {
+            "model": "default",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+        return self._post("/v1/chat/completions", body)
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = requests.post(f"{self.url}{path}", json=body, timeout=300)
+        response.raise_for_status()
+        return response.json()
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM the process group, SIGKILL after ``timeout``; returns the exit code."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait()
+
+    def __enter__(self) -> "SGLangServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Set up everything sglang-eaas needs in ./.venv (override with SGLANG_EAAS_VENV).
+#   * No CUDA GPU: the CPU recipe -- torch 2.13.0 CPU build, sglang==0.5.23 with --no-deps plus
+#     requirements/sglang-cpu.txt, triton, and the CPU runtime start-up hook (docs/cpu-runtime.md).
+#   * CUDA GPU: SGLang's normal GPU stack (pip install sglang==0.5.23 with its dependencies).
+#   * Then this package in editable mode with its test extras.
+# Idempotent: when nothing that feeds the install changed, it finishes in about a second.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SGLANG_EAAS_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+
+die() { echo "setup: error: $*" >&2; exit 1; }
+step() { echo "setup: $*"; }
+
+command -v "$python" >/dev/null || die "'$python' not found; install Python >= 3.10 or set PYTHON=/path/to/python3"
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || die "Python >= 3.10 is required, '$python' is $("$python" -V 2>&1); set PYTHON=/path/to/python3.10+"
+command -v cc >/dev/null || command -v gcc >/dev/null \
+  || die "no C compiler found (Triton and native extensions need one); install gcc (Debian: apt-get install -y gcc)"
+
+if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+  mode=gpu
+else
+  mode=cpu
+fi
+
+stamp_file="$venv/.sglang-eaas-setup"
+stamp="$(cat "$root/setup.py" "$root/scripts/setup.sh" "$root/requirements/"*.txt | sha256sum | cut -d' ' -f1) $mode $("$python" -V 2>&1)"
+if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$stamp" ]]; then
+  step "$venv is up to date ($mode)"
+  exit 0
+fi
+
+step "creating $venv ($mode machine)"
+[[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
+# pip's warnings about this machine's unused local index folders are noise; errors still show.
+pip_install() {
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$@" \
+    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+}
+pip_install --upgrade pip
+if [[ $mode == cpu ]]; then
+  step "[1/5] torch 2.13.0 (CPU build)"
+  pip_install "torch==2.13.0"
+  step "[2/5] sglang 0.5.23 without its CUDA kernel dependencies"
+  pip_install --no-deps "sglang==0.5.23"
+  step "[3/5] SGLang's pure-Python runtime dependencies and triton (requirements/sglang-cpu.txt)"
+  pip_install -r "$root/requirements/sglang-cpu.txt"
+  step "[4/5] sglang-eaas (editable, with test extras)"
+  pip_install -e "$root[test]"
+  step "[5/5] CPU runtime start-up hook"
+  "$venv/bin/python" -m sglang_eaas.cpu_runtime install
+else
+  step "[1/2] sglang 0.5.23 with its GPU stack"
+  pip_install "sglang==0.5.23"
+  step "[2/2] sglang-eaas (editable, with test extras)"
+  pip_install -e "$root[gpu,test]"
+fi
+echo "$stamp" > "$stamp_file"
+step "done: activate with 'source $venv/bin/activate'"
