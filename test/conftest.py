@@ -1,0 +1,52 @@
+"""Shared fixtures: generated checkpoints (cached under .cache/models) and one SGLang server."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from sglang_eaas.tools.make_tiny_model import PRESETS, ModelSpec, cached_model
+from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache"
+PROMPTS = (
+    "Hello world, the quick brown fox",
+    "Expert parallelism routes tokens",
+    "def add(a, b):",
+)
+MAX_NEW_TOKENS = 12
+
+
+def model_path(spec: ModelSpec) -> Path:
+    return cached_model(CACHE / "models", spec, log=lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> Path:
+    return model_path(PRESETS["tiny"])
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral() -> Path:
+    return model_path(replace(PRESETS["tiny"], arch="mixtral"))
+
+
+def start_server(model: Path, *args: str, name: str) -> SGLangServer:
+    """A float32 CPU server on ``model``; its log goes to .cache/logs/test/NAME.log."""
+    log_path = CACHE / "logs" / "test" / f"{name}.log"
+    return SGLangServer(model, *CPU_ARGS, "--dtype", "float32", *args, log_path=log_path).start()
+
+
+@pytest.fixture(scope="session")
+def monolithic_qwen3(tiny_qwen3):
+    """Plain SGLang (--tp 1, no --eaas) on the tiny Qwen3-MoE: the baseline of the suite."""
+    server = start_server(tiny_qwen3, name="monolithic-qwen3")
+    yield server
+    server.stop()
+
+
+def greedy_tokens(server: SGLangServer, prompts=PROMPTS) -> list[list[int]]:
+    return [server.generate(p, MAX_NEW_TOKENS)["output_ids"] for p in prompts]

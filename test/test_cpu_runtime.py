@@ -1,0 +1,141 @@
+"""The CPU runtime: activation rules, the sgl_kernel stand-in, core binding, the EP>1 MoE fix."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang_eaas import cpu_runtime
+from sglang_eaas.cpu_runtime.moe_native_ep import moe_forward_native_ep
+from sglang_eaas.cpu_runtime.server_defaults import cpu_threads_binding
+
+PROBE = (
+    "import os, sys; from sglang_eaas import cpu_runtime as c; "
+    "print(c.is_active(), os.environ.get('SGLANG_USE_CPU_ENGINE'))"
+)
+
+
+def _probe(env: dict[str, str], pythonpath: str = "") -> str:
+    """Run PROBE in a fresh interpreter of this environment (the .pth start-up hook runs)."""
+    full_env = {**os.environ, **env, "PYTHONPATH": pythonpath}
+    full_env.pop("SGLANG_USE_CPU_ENGINE", None)
+    return subprocess.run([sys.executable, "-c", PROBE], env=full_env, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def test_active_in_every_fresh_interpreter_of_this_cpu_machine():
+    assert not cpu_runtime.has_cuda_device()
+    assert _probe({}) == "True 1"
+
+
+def test_forced_off_leaves_sglang_alone():
+    assert _probe({"SGLANG_EAAS_CPU_RUNTIME": "off"}) == "False None"
+
+
+def test_a_real_sgl_kernel_wins(tmp_path):
+    (tmp_path / "sgl_kernel").mkdir()
+    (tmp_path / "sgl_kernel" / "__init__.py").write_text("")
+    assert _probe({}, pythonpath=str(tmp_path)) == "False None"
+    assert _probe({"SGLANG_EAAS_CPU_RUNTIME": "on"}, pythonpath=str(tmp_path)) == "True 1"
+
+
+def test_cuda_device_disables_auto(monkeypatch):
+    monkeypatch.setattr(cpu_runtime, "has_cuda_device", lambda: True)
+    monkeypatch.setenv("SGLANG_EAAS_CPU_RUNTIME", "auto")
+    assert not cpu_runtime.should_activate()
+    monkeypatch.setenv("SGLANG_EAAS_CPU_RUNTIME", "on")
+    assert cpu_runtime.should_activate()
+
+
+def test_assign_req_to_token_pool_stand_in():
+    from sgl_kernel import assign_req_to_token_pool_cpu
+
+    req_to_token = torch.zeros(3, 6, dtype=torch.int32)
+    assign_req_to_token_pool_cpu(
+        torch.tensor([2, 0]), req_to_token, torch.tensor([1, 0]), torch.tensor([4, 2]),
+        torch.tensor([10, 11, 12, 20, 21]), 6,
+    )
+    expected = torch.zeros(3, 6, dtype=torch.int32)
+    expected[2, 1:4] = torch.tensor([10, 11, 12])
+    expected[0, 0:2] = torch.tensor([20, 21])
+    assert torch.equal(req_to_token, expected)
+
+
+def test_unimplemented_names_raise_clearly():
+    import sgl_kernel
+
+    with pytest.raises(NotImplementedError, match="verify_tree_greedy_cpu"):
+        sgl_kernel.verify_tree_greedy_cpu()
+
+
+@pytest.mark.parametrize(
+    "ranks, cpus, expected",
+    [(2, [0, 1], "0|1"), (2, [0, 1, 2, 3], "0-1|2-3"), (3, [0, 1], "0|1|0"),
+     (1, [0, 1], "0-1"), (2, [0, 2, 4, 6], "0,2|4,6")],
+)
+def test_cpu_threads_binding(ranks, cpus, expected):
+    assert cpu_threads_binding(ranks, cpus) == expected
+
+
+class _Experts(torch.nn.Module):
+    """The attributes of SGLang's FusedMoE that ``moe_forward_native`` reads."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+        super().__init__()
+        self.w13_weight, self.w2_weight, self.num_experts = w13, w2, w13.shape[0]
+
+
+def _sglang_moe_forward_native():
+    from sglang.srt.layers.moe import fused_moe_native
+
+    return inspect.unwrap(fused_moe_native.moe_forward_native)  # stock, even if hooked here
+
+
+def test_ep_split_sums_to_the_full_moe():
+    """Two EP ranks with -1 for remote experts add up to one rank holding all experts."""
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    native, config = _sglang_moe_forward_native(), MoeRunnerConfig(activation="silu")
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter, tokens, top_k = 8, 16, 8, 11, 2
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen)
+    w2 = torch.randn(experts, hidden, inter, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[0] = torch.tensor([0, 1])  # both on rank 0: rank 1 sees a token with two -1s
+    weights = torch.rand(tokens, top_k, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    full = native(_Experts(w13, w2), x, StandardTopKOutput(weights, ids, logits), config)
+
+    per_rank = experts // 2
+    total = torch.zeros_like(full)
+    for rank in range(2):
+        lo = rank * per_rank
+        local = torch.where((ids >= lo) & (ids < lo + per_rank), ids - lo, -1)
+        layer = _Experts(w13[lo : lo + per_rank], w2[lo : lo + per_rank])
+        out = moe_forward_native_ep(native, layer, x, StandardTopKOutput(weights, local, logits),
+                                    config)
+        if rank == 1:
+            assert torch.equal(out[0], torch.zeros(hidden))
+        total += out
+    torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-5)
+
+
+def test_ep_hook_is_the_stock_function_without_remote_experts():
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    native, config = _sglang_moe_forward_native(), MoeRunnerConfig(activation="silu")
+    gen = torch.Generator().manual_seed(1)
+    layer = _Experts(torch.randn(4, 8, 6, generator=gen), torch.randn(4, 6, 4, generator=gen))
+    x = torch.randn(5, 6, generator=gen)
+    topk = StandardTopKOutput(torch.rand(5, 2, generator=gen),
+                              torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0]]), None)
+    assert torch.equal(moe_forward_native_ep(native, layer, x, topk, config),
+                       native(layer, x, topk, config))

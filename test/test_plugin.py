@@ -1,0 +1,144 @@
+"""The plugin loads through SGLang's entry points, its flags parse and travel to worker processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from sglang_eaas import plugin
+from sglang_eaas.config import EaasConfig, LocalServers, RemoteServers
+
+
+@pytest.fixture(scope="module")
+def sglang_with_plugins():
+    """SGLang's own plugin loading, in this process, as the launcher does it."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    assert plugin.unapplied_hooks() == []
+
+
+def _parse(model, *args: str):
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args(["--model-path", str(model), *args])
+
+
+def test_entry_point_is_registered():
+    (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "eaas"]
+    assert ep.value == "sglang_eaas.plugin:register"
+
+
+def test_help_lists_every_flag():
+    help_text = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True,
+        text=True, check=True,
+    ).stdout
+    assert "sglang-eaas:" in help_text
+    for flag, words in [("--eaas ", "stateless expert servers"),
+                        ("--eaas-expert-servers SPEC", "local:N"),
+                        ("--eaas-placement FILE", "replicas allowed")]:
+        assert flag in help_text
+        assert words in " ".join(help_text.split())
+
+
+def test_flags_parse(sglang_with_plugins, tiny_qwen3):
+    assert not hasattr(_parse(tiny_qwen3), "_eaas")
+    assert _parse(tiny_qwen3, "--eaas")._eaas == EaasConfig(LocalServers(2))
+    args = _parse(tiny_qwen3, "--eaas", "--eaas-expert-servers", "10.0.0.1:7000, node-b:7001",
+                  "--eaas-placement", str(tiny_qwen3 / "config.json"))
+    assert args._eaas == EaasConfig(RemoteServers(("10.0.0.1:7000", "node-b:7001")),
+                                    tiny_qwen3 / "config.json")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--eaas", "--eaas-expert-servers", "local:0"], "'local:N' needs a whole number N >= 1"),
+        (["--eaas", "--eaas-expert-servers", "node-a"], "'node-a' is not 'local:N' nor a"),
+        (["--eaas", "--eaas-expert-servers", "a:99999"], "'a:99999' is not 'local:N' nor a"),
+        (["--eaas", "--eaas-placement", "/no/such/file"], "'/no/such/file' is not a readable"),
+        (["--eaas-expert-servers", "local:2"], "--eaas-expert-servers only apply with --eaas"),
+    ],
+)
+def test_bad_values_are_refused(sglang_with_plugins, tiny_qwen3, capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        _parse(tiny_qwen3, *args)
+    assert exc.value.code not in (0, None)
+    assert message in capsys.readouterr().err + str(exc.value.code)
+
+
+def test_eaas_refused_when_a_hook_did_not_apply(sglang_with_plugins, tiny_qwen3, capsys,
+                                                monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    target = plugin.HOOKS[-1].target
+    monkeypatch.setattr(HookRegistry, "_patched", HookRegistry._patched - {target})
+    with pytest.raises(SystemExit):
+        _parse(tiny_qwen3, "--eaas")
+    err = capsys.readouterr().err
+    assert "sglang-eaas plugin is not active" in err and target in err
+
+
+def _unpickle_in_child(payload: bytes, queue) -> None:
+    try:
+        queue.put(("ok", pickle.loads(payload)._eaas))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        queue.put(("error", str(exc)))
+
+
+def _spawn_unpickle(payload: bytes):
+    """Unpickle in a spawned process: how SGLang hands ServerArgs to its schedulers."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_unpickle_in_child, args=(payload, queue))
+    child.start()
+    result = queue.get(timeout=120)
+    child.join(60)
+    return result
+
+
+def test_config_reaches_spawned_workers(sglang_with_plugins, tiny_qwen3):
+    args = _parse(tiny_qwen3, "--eaas", "--eaas-expert-servers", "local:3")
+    assert _spawn_unpickle(pickle.dumps(args)) == ("ok", EaasConfig(LocalServers(3)))
+
+
+def test_worker_without_the_plugin_fails_clearly(sglang_with_plugins, tiny_qwen3, monkeypatch):
+    payload = pickle.dumps(_parse(tiny_qwen3, "--eaas"))
+    monkeypatch.setenv("SGLANG_PLUGINS", "some_other_plugin")  # SGLang's plugin allow-list
+    status, message = _spawn_unpickle(payload)
+    assert status == "error"
+    assert "sglang-eaas plugin is not active" in message and "SGLANG_PLUGINS" in message
+
+
+def test_launcher_without_the_plugin_refuses_eaas(tiny_qwen3):
+    result = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_qwen3), "--eaas"],
+        capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "SGLANG_PLUGINS": "some_other_plugin"},
+    )
+    assert result.returncode != 0
+    assert "unrecognized arguments: --eaas" in result.stderr
+
+
+@pytest.mark.slow
+def test_server_workers_receive_the_config(tiny_qwen3, monolithic_qwen3):
+    """A real --eaas server: the scheduler and detokenizer processes hold the parsed config."""
+    from conftest import greedy_tokens, start_server
+
+    server = start_server(tiny_qwen3, "--eaas", "--eaas-expert-servers", "local:3",
+                          name="eaas-flags-qwen3")
+    try:
+        tokens = greedy_tokens(server)
+        log = server.log_path.read_text()
+    finally:
+        server.stop()
+    received = [line for line in log.splitlines() if "received EaasConfig" in line]
+    assert any("LocalServers(count=3)" in line for line in received), log[-3000:]
+    assert len(received) >= 2  # scheduler and detokenizer
+    assert tokens == greedy_tokens(monolithic_qwen3)
