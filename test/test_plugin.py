@@ -49,7 +49,7 @@ def test_help_lists_every_flag():
 
 def test_flags_parse(sglang_with_plugins, tiny_qwen3):
     assert not hasattr(_parse(tiny_qwen3), "_eaas")
-    assert _parse(tiny_qwen3, "--eaas")._eaas == EaasConfig(LocalServers(2))
+    assert _parse(tiny_qwen3, "--eaas")._eaas == EaasConfig()
     args = _parse(tiny_qwen3, "--eaas", "--eaas-expert-servers", "10.0.0.1:7000, node-b:7001",
                   "--eaas-placement", str(tiny_qwen3 / "config.json"))
     assert args._eaas == EaasConfig(RemoteServers(("10.0.0.1:7000", "node-b:7001")),
@@ -64,6 +64,7 @@ def test_flags_parse(sglang_with_plugins, tiny_qwen3):
         (["--eaas", "--eaas-expert-servers", "a:99999"], "'a:99999' is not 'local:N' nor a"),
         (["--eaas", "--eaas-placement", "/no/such/file"], "'/no/such/file' is not a readable"),
         (["--eaas-expert-servers", "local:2"], "--eaas-expert-servers only apply with --eaas"),
+        (["--eaas", "--tp", "2", "--ep", "2"], "--eaas replaces expert parallelism"),
     ],
 )
 def test_bad_values_are_refused(sglang_with_plugins, tiny_qwen3, capsys, args, message):
@@ -125,20 +126,3 @@ def test_launcher_without_the_plugin_refuses_eaas(tiny_qwen3):
     assert result.returncode != 0
     assert "unrecognized arguments: --eaas" in result.stderr
 
-
-@pytest.mark.slow
-def test_server_workers_receive_the_config(tiny_qwen3, monolithic_qwen3):
-    """A real --eaas server: the scheduler and detokenizer processes hold the parsed config."""
-    from conftest import greedy_tokens, start_server
-
-    server = start_server(tiny_qwen3, "--eaas", "--eaas-expert-servers", "local:3",
-                          name="eaas-flags-qwen3")
-    try:
-        tokens = greedy_tokens(server)
-        log = server.log_path.read_text()
-    finally:
-        server.stop()
-    received = [line for line in log.splitlines() if "received EaasConfig" in line]
-    assert any("LocalServers(count=3)" in line for line in received), log[-3000:]
-    assert len(received) >= 2  # scheduler and detokenizer
-    assert tokens == greedy_tokens(monolithic_qwen3)

@@ -1,7 +1,8 @@
 """``--eaas`` command-line options and the ``EaasConfig`` record they produce.
 
 The record rides on SGLang's ``ServerArgs`` as the bookkeeping attribute ``_eaas`` (a plugin cannot
-add struct fields), which SGLang pickles into every scheduler/detokenizer process. Unpickling it
+add struct fields), which SGLang pickles into every scheduler/detokenizer process. Before the
+workers start, the launcher replaces it with the concrete server addresses (``client.launch``). Unpickling it
 in a worker loads the plugins there and checks that sglang-eaas is really active, so a worker in
 which the plugin failed exits with a clear error instead of silently serving without it.
 """
@@ -9,12 +10,8 @@ which the plugin failed exits with a clear error instead of silently serving wit
 from __future__ import annotations
 
 import argparse
-import logging
-import multiprocessing
 from dataclasses import dataclass
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ def existing_file(path: str) -> Path:
 class EaasConfig:
     """What the attention client needs to know about its expert servers."""
 
-    expert_servers: LocalServers | RemoteServers = LocalServers(2)
+    expert_servers: LocalServers | RemoteServers | None = None  # None: local:2 or the placement
     placement: Path | None = None
 
     def __reduce__(self):
@@ -76,15 +73,7 @@ def _restore_in_worker(
     from sglang_eaas import plugin
 
     plugin.ensure_active_in_process()
-    config = EaasConfig(expert_servers, placement)
-    logger.warning(
-        "sglang-eaas: %s (pid %d) received %s; the expert-server data path is not part of "
-        "this version yet, so routed experts still run in this process",
-        multiprocessing.current_process().name,
-        multiprocessing.current_process().pid,
-        config,
-    )
-    return config
+    return EaasConfig(expert_servers, placement)
 
 
 class _EnableEaas(argparse.Action):
@@ -118,8 +107,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SPEC",
         help="Where the expert servers are: 'local:N' spawns N expert servers on this host with an "
-        "even expert placement (default local:2); 'host:port,host:port,...' connects to servers "
-        "started separately with 'python -m sglang_eaas.expert_server'.",
+        "even expert placement (default: local:2, or the servers of --eaas-placement); "
+        "'host:port,host:port,...' connects to servers started separately with "
+        "'python -m sglang_eaas.expert_server'.",
     )
     group.add_argument(
         "--eaas-placement",
@@ -134,7 +124,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
     """Build the config from parsed args; ``None`` without ``--eaas``.
 
-    Raises ``ValueError`` when an ``--eaas-*`` option is given without ``--eaas``.
+    Raises ``ValueError`` when an ``--eaas-*`` option is given without ``--eaas``, or with
+    SGLang options that expert servers replace.
     """
     if not getattr(args, "eaas", False):
         given = [
@@ -145,8 +136,9 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
         if given:
             raise ValueError(f"{', '.join(given)} only apply with --eaas; add --eaas or drop them")
         return None
-    if args.eaas_expert_servers is None:
-        return EaasConfig(placement=args.eaas_placement)
+    if getattr(args, "ep_size", 1) > 1 or getattr(args, "moe_a2a_backend", "none") != "none":
+        raise ValueError("--eaas replaces expert parallelism: drop --ep/--moe-a2a-backend "
+                         "(attention keeps --tp)")
     return EaasConfig(args.eaas_expert_servers, args.eaas_placement)
 
 

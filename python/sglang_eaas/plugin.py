@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 from sglang_eaas import config
+from sglang_eaas.client import launch, sglang_moe
 from sglang_eaas.cpu_runtime import moe_native_ep, server_defaults
 
 
@@ -48,6 +49,37 @@ HOOKS: tuple[Hook, ...] = (
         "AFTER",
         _from_cli_args,
         "carry the parsed --eaas options on ServerArgs._eaas",
+    ),
+    Hook(
+        "sglang.srt.entrypoints.engine.Engine._launch_subprocesses",
+        "AROUND",
+        launch.launch_subprocesses,
+        "start local expert servers / check remote ones and the placement before workers start",
+    ),
+    Hook(
+        "sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod.create_weights",
+        "AROUND",
+        sglang_moe.create_weights,
+        "--eaas: MoE layers allocate no routed-expert weights; join the expert servers",
+    ),
+    Hook(
+        "sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod"
+        ".process_weights_after_loading",
+        "AROUND",
+        sglang_moe.process_weights_after_loading,
+        "--eaas: no routed-expert weights to post-process",
+    ),
+    Hook(
+        "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.forward",
+        "AROUND",
+        sglang_moe.forward,
+        "--eaas: routed experts run on the expert servers (dispatch -> run -> combine)",
+    ),
+    Hook(
+        "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
+        "AFTER",
+        sglang_moe.log_parameter_bytes,
+        "log the parameter bytes each rank holds (routed experts: 0 with --eaas)",
     ),
     Hook(
         "sglang.srt.arg_groups.platform_hook.handle_cpu_backends",

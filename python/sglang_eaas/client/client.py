@@ -1,0 +1,84 @@
+"""``EaasClient``: one attention rank's dispatch -> (remote run) -> combine over expert servers."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sglang_eaas.backoff import Backoff
+from sglang_eaas.client.connection import ServerConnection
+from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.placement import ExpertRouting, PlacementError
+from sglang_eaas.transport import TransportError
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class EaasClient:
+    """Joins every expert server at construction, so placement errors surface before serving."""
+
+    def __init__(self, addresses: list[str], info: MoeModelInfo, dtype: torch.dtype, name: str,
+                 expected_experts: dict[str, list[int]] | None = None,
+                 result_timeout: float = 120.0):
+        self.info, self.result_timeout = info, result_timeout
+        self.connections: list[ServerConnection] = []
+        try:
+            for address in addresses:
+                self.connections.append(
+                    ServerConnection(address, name, info.fingerprint(), DTYPE_NAMES[dtype]))
+            for conn in self.connections:
+                if expected_experts is not None and conn.experts != expected_experts[conn.address]:
+                    raise PlacementError(
+                        f"expert server {conn.address} holds experts {conn.experts}, the "
+                        f"placement file says {expected_experts[conn.address]}")
+            self.routing = ExpertRouting([c.experts for c in self.connections], info.num_experts)
+        except BaseException:
+            self.close()
+            raise
+        self.max_tokens = min(c.layout.max_tokens for c in self.connections)
+
+    def forward(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` computed by the expert servers.
+
+        Args:
+            hidden: ``[T, H]``; topk_ids: ``[T, K]`` global expert ids; topk_weights: ``[T, K]``.
+        Returns:
+            ``[T, H]`` in ``hidden.dtype``: partial sums added in server order (deterministic).
+        """
+        out = torch.zeros_like(hidden)
+        server_of = self.routing.assign(topk_ids)
+        plans = []
+        for index, conn in enumerate(self.connections):
+            mask = server_of == index
+            rows = mask.any(dim=1).nonzero().squeeze(1)
+            if rows.numel():
+                ids = torch.where(mask, topk_ids, -1)[rows].to(torch.int32)
+                plans.append((conn, rows, ids, topk_weights[rows].float()))
+        longest = max((rows.numel() for _, rows, _, _ in plans), default=0)
+        for start in range(0, longest, self.max_tokens):
+            sent = []
+            for conn, rows, ids, weights in plans:
+                chunk = slice(start, start + self.max_tokens)
+                if rows[chunk].numel():
+                    conn.slot.send(layer_id, hidden[rows[chunk]], ids[chunk], weights[chunk])
+                    sent.append((conn, rows[chunk]))
+            for conn, rows in sent:
+                self._wait(conn, layer_id)
+                out.index_add_(0, rows, conn.slot.result())
+        return out
+
+    def _wait(self, conn: ServerConnection, layer_id: int) -> None:
+        backoff, deadline = Backoff(), time.monotonic() + self.result_timeout
+        while not conn.slot.done():
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"expert server {conn.address} did not answer layer {layer_id} within "
+                    f"{self.result_timeout:.0f}s")
+            backoff.pause()
+
+    def close(self) -> None:
+        for conn in self.connections:
+            conn.close()
+        self.connections = []

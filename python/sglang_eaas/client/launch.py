@@ -1,0 +1,89 @@
+"""Before SGLang starts its workers: find or start the expert servers and check the placement.
+
+Runs in the launcher process (AROUND ``Engine._launch_subprocesses``), so a server that cannot
+start, an unreachable server, an expert without a server or a server holding another model stops
+the launch with one clear error before any scheduler exists. Workers then receive the concrete
+server addresses in ``ServerArgs._eaas`` and join the servers themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from typing import Any, Callable
+
+from sglang_eaas.client.local_servers import start_local_servers
+from sglang_eaas.config import EaasConfig, LocalServers, RemoteServers
+from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.placement import (
+    ExpertRouting, PlacementError, even_placement, load_placement_file,
+)
+from sglang_eaas.transport import TransportError
+
+logger = logging.getLogger(__name__)
+DEFAULT_LOCAL = LocalServers(2)
+
+
+def probe(address: str, timeout: float = 10.0) -> dict[str, Any]:
+    """A server's stats (experts, model fingerprint...) over its control endpoint."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+            sock.sendall(b'{"op": "stats"}\n')
+            reply = json.loads(sock.makefile("rb").readline() or b"{}")
+    except (OSError, ValueError) as exc:
+        raise TransportError(f"expert server {address} is unreachable: {exc}") from exc
+    if not reply.get("ok"):
+        raise TransportError(f"expert server {address} did not answer a stats request: {reply}")
+    return reply["stats"]
+
+
+def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
+                           num_ranks: int) -> EaasConfig:
+    """Start local servers or check remote ones; returns the config workers should use."""
+    info = MoeModelInfo.from_model_path(model_path)
+    planned = load_placement_file(cfg.placement) if cfg.placement else None
+    servers = cfg.expert_servers
+    if planned and all(name.startswith("local:") for name in planned):
+        if isinstance(servers, LocalServers) and servers.count != len(planned):
+            raise PlacementError(f"--eaas-expert-servers local:{servers.count} but "
+                                 f"{cfg.placement} lists {len(planned)} local servers")
+        placements = list(planned.values())
+    elif planned:
+        if isinstance(servers, RemoteServers) and set(servers.addresses) != set(planned):
+            raise PlacementError(f"{cfg.placement} names servers {sorted(planned)}, "
+                                 f"--eaas-expert-servers names {sorted(servers.addresses)}")
+        servers, placements = RemoteServers(tuple(planned)), None
+    elif servers is None or isinstance(servers, LocalServers):
+        placements = even_placement(info.num_experts, (servers or DEFAULT_LOCAL).count)
+    else:
+        placements = None
+    if placements is not None:
+        ExpertRouting(placements, info.num_experts)  # every expert covered, ids in range
+        logger.info("sglang-eaas: starting %d local expert servers: %s", len(placements),
+                    placements)
+        addresses = start_local_servers(model_path, placements, dtype, max(8, num_ranks))
+        return EaasConfig(RemoteServers(tuple(addresses)))
+    held = []
+    for address in servers.addresses:
+        stats = probe(address)
+        if stats["fingerprint"] != info.fingerprint():
+            raise PlacementError(f"expert server {address} serves a different model than "
+                                 f"{model_path}")
+        if planned and stats["experts"] != planned[address]:
+            raise PlacementError(f"expert server {address} holds experts {stats['experts']}, "
+                                 f"{cfg.placement} says {planned[address]}")
+        held.append(stats["experts"])
+    ExpertRouting(held, info.num_experts)
+    return EaasConfig(servers, cfg.placement)
+
+
+def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **kwargs):
+    """AROUND ``Engine._launch_subprocesses``."""
+    cfg = getattr(server_args, "_eaas", None)
+    if cfg is not None:
+        ranks = server_args.tp_size * server_args.pp_size * max(server_args.dp_size, 1)
+        server_args._eaas = prepare_expert_servers(cfg, server_args.model_path,
+                                                   server_args.dtype, ranks)
+    return launch(cls, server_args, *args, **kwargs)

@@ -1,0 +1,103 @@
+"""Hook bodies that turn SGLang's FusedMoE layers into attention-client MoE layers.
+
+With ``--eaas``, an unquantized FusedMoE creates no routed-expert weights (the loader then skips
+those tensors as "not on this rank"), and its forward sends the routed tokens to the expert
+servers through this process's ``EaasClient`` instead of running them. Router (gate), TopK and
+shared experts are untouched and stay local.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+from typing import Any, Callable
+
+import torch
+
+from sglang_eaas import config as eaas_config
+from sglang_eaas.client.client import EaasClient
+from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.placement import load_placement_file
+
+logger = logging.getLogger(__name__)
+_client: EaasClient | None = None
+
+
+def _shared_client(dtype: torch.dtype) -> EaasClient:
+    """This process's client, joined to every expert server on first use."""
+    global _client
+    if _client is None:
+        from sglang.srt.runtime_context import get_server_args
+
+        cfg, server_args = eaas_config.current(), get_server_args()
+        assert isinstance(cfg.expert_servers, eaas_config.RemoteServers), cfg
+        expected = load_placement_file(cfg.placement) if cfg.placement else None
+        name = f"{socket.gethostname()}:{os.getpid()}"
+        _client = EaasClient(list(cfg.expert_servers.addresses),
+                             MoeModelInfo.from_model_path(server_args.model_path), dtype, name,
+                             expected_experts=expected)
+        atexit.register(_client.close)
+        logger.info("sglang-eaas: %s joined expert servers %s", name,
+                    ", ".join(cfg.expert_servers.addresses))
+    return _client
+
+
+def create_weights(create: Callable, method: Any, layer: torch.nn.Module, num_experts: int,
+                   hidden_size: int, intermediate_size_per_partition: int,
+                   params_dtype: torch.dtype, **kwargs) -> None:
+    """AROUND ``UnquantizedFusedMoEMethod.create_weights``: no routed-expert weights."""
+    if eaas_config.current() is None:
+        return create(method, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                      params_dtype, **kwargs)
+    method.with_bias = kwargs.get("with_bias", False)
+    layer._eaas_client = _shared_client(params_dtype)
+
+
+def process_weights_after_loading(process: Callable, method: Any, layer: torch.nn.Module):
+    """AROUND ``UnquantizedFusedMoEMethod.process_weights_after_loading``: nothing to process."""
+    if hasattr(layer, "_eaas_client"):
+        return None
+    return process(method, layer)
+
+
+def forward(fused_moe_forward: Callable, layer: torch.nn.Module, hidden_states: torch.Tensor,
+            topk_output: Any, *args, **kwargs) -> torch.Tensor:
+    """AROUND ``FusedMoE.forward``: the routed experts run on the expert servers.
+
+    With attention TP, every rank holds the same tokens: rank r sends the r-th contiguous share
+    and leaves zeros elsewhere, so the TP all-reduce (here when the layer reduces its results,
+    otherwise in the decoder layer, exactly where SGLang does it) assembles the full output.
+    """
+    client: EaasClient | None = getattr(layer, "_eaas_client", None)
+    if client is None:
+        if eaas_config.current() is not None:
+            raise RuntimeError(
+                f"--eaas: MoE layer {layer.layer_id} uses {type(layer.quant_method).__name__}; "
+                "expert servers support unquantized checkpoints only")
+        return fused_moe_forward(layer, hidden_states, topk_output, *args, **kwargs)
+    ids, weights = topk_output.topk_ids, topk_output.topk_weights
+    tokens, rank, ranks = hidden_states.shape[0], layer.moe_tp_rank, layer.moe_tp_size
+    if ranks == 1:
+        return client.forward(layer.layer_id, hidden_states, ids, weights)
+    share = slice(tokens * rank // ranks, tokens * (rank + 1) // ranks)
+    out = torch.zeros_like(hidden_states)
+    if share.stop > share.start:
+        out[share] = client.forward(layer.layer_id, hidden_states[share], ids[share],
+                                    weights[share])
+    if layer.reduce_results:
+        from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+        out = tensor_model_parallel_all_reduce(out)
+    return out
+
+
+def log_parameter_bytes(_result: Any, model_runner: Any) -> None:
+    """AFTER ``ModelRunner.load_model``: what this rank holds (the tests read this line)."""
+    params = list(model_runner.model.named_parameters())
+    routed = sum(p.numel() * p.element_size() for name, p in params
+                 if ".experts.w13_weight" in name or ".experts.w2_weight" in name)
+    total = sum(p.numel() * p.element_size() for _, p in params)
+    logger.info("sglang-eaas: model parameters %d bytes, routed-expert parameters %d bytes",
+                total, routed)

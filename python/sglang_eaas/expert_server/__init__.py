@@ -1,0 +1,1 @@
+"""The expert server: a stateless process that runs some routed experts of every MoE layer."""

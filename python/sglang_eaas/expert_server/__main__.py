@@ -1,0 +1,92 @@
+"""``python -m sglang_eaas.expert_server --model-path M --experts SPEC [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from sglang_eaas.model_info import ModelError, MoeModelInfo
+from sglang_eaas.placement import PlacementError, parse_expert_list
+
+
+def parse_args(argv: list[str] | None = None):
+    from sglang_eaas.expert_server.server import DTYPES, ExpertServerConfig
+
+    p = argparse.ArgumentParser(
+        prog="python -m sglang_eaas.expert_server",
+        description="A stateless expert server: holds some routed experts of every MoE layer "
+        "of a checkpoint and serves attention clients (SGLang with --eaas) over one-sided slots.",
+    )
+    p.add_argument("--model-path", required=True, help="HF checkpoint folder (config.json + "
+                   "safetensors); only this server's experts are read from it")
+    p.add_argument("--experts", required=True, metavar="SPEC",
+                   help="global expert ids to hold in every MoE layer: '0-3,6' or 'all'")
+    p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
+                   help="control endpoint where clients join (port 0: pick a free one and print "
+                   "it); default %(default)s")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights dtype; 'auto' keeps the checkpoint's. A client with another "
+                   "dtype is served with conversion")
+    p.add_argument("--transport", default="shm", choices=["shm"],
+                   help="how clients reach the slots: 'shm' (same host)")
+    p.add_argument("--max-clients", type=int, default=8,
+                   help="client slots (one per attention rank); default %(default)s")
+    p.add_argument("--max-tokens", type=int, default=2048,
+                   help="tokens per request a slot holds; clients split larger batches; "
+                   "default %(default)s")
+    p.add_argument("--min-batch-tokens", type=int, default=1,
+                   help="wait for at least this many ready tokens (across clients and layers) "
+                   "before computing, up to --max-wait-us; default %(default)s")
+    p.add_argument("--max-wait-us", type=int, default=0,
+                   help="longest wait for --min-batch-tokens, in microseconds; default %(default)s")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (the server's whole CPU budget); default "
+                   "%(default)s")
+    p.add_argument("--log-level", default="info", help="logging level; default %(default)s")
+    args = p.parse_args(argv)
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        p.error(f"--listen {args.listen!r} is not HOST:PORT")
+    for flag in ("max_clients", "max_tokens", "min_batch_tokens", "threads"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    try:
+        info = MoeModelInfo.from_model_path(args.model_path)
+        experts = parse_expert_list(args.experts, info.num_experts)
+        if max(experts) >= info.num_experts:
+            raise PlacementError(f"expert {max(experts)} does not exist: the model has "
+                                 f"{info.num_experts}")
+    except (ModelError, PlacementError) as exc:
+        p.error(str(exc))
+    return args, ExpertServerConfig(
+        model_path=args.model_path, experts=tuple(experts), host=host, port=int(port),
+        dtype=args.dtype, transport=args.transport, max_clients=args.max_clients,
+        max_tokens=args.max_tokens, min_batch_tokens=args.min_batch_tokens,
+        max_wait_us=args.max_wait_us, threads=args.threads,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="[%(asctime)s expert-server] %(message)s")
+    from sglang_eaas.expert_server.server import ExpertServer
+
+    server = ExpertServer(config)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    print(f"sglang-eaas expert server ready on {server.address}: experts "
+          f"{list(config.experts)} of {server.info.num_experts}, "
+          f"{len(server.info.moe_layers)} MoE layers, "
+          f"{server.weight_bytes() / 2**20:.1f} MiB of weights", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The routed experts an expert server holds, loaded straight from the safetensors files.
+
+No model is instantiated: for each MoE layer only the gate/up/down tensors of this server's
+experts are read (safetensors maps the files; each tensor is copied out once), so resident
+memory grows with the number of experts held, not with the model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from sglang_eaas.model_info import ModelError, MoeModelInfo
+
+
+@dataclass
+class LayerExperts:
+    """One MoE layer's local experts.
+
+    ``w13 [E_local, 2 * I, H]`` (gate rows, then up rows) and ``w2 [E_local, H, I]`` exactly as
+    SGLang's FusedMoE stores them; ``local_index [num_experts]`` maps a global expert id to its
+    row here, -1 for experts this server does not hold.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    local_index: torch.Tensor
+
+    def run(self, local_expert: int, x: torch.Tensor) -> torch.Tensor:
+        """``expert(x)`` for ``x [n, H]``; the same ops as SGLang's ``moe_forward_native``."""
+        gate_up = F.linear(x, self.w13[local_expert])
+        d = gate_up.shape[-1] // 2
+        return F.linear(F.silu(gate_up[..., :d]) * gate_up[..., d:], self.w2[local_expert])
+
+
+def _tensor_files(model_path: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file holding it."""
+    index = model_path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_path / file for name, file in weight_map.items()}
+    single = model_path / "model.safetensors"
+    if not single.exists():
+        raise ModelError(f"no model.safetensors or model.safetensors.index.json in {model_path}")
+    with safe_open(single, "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_experts(model_path: str | Path, info: MoeModelInfo, experts: list[int],
+                 dtype: torch.dtype) -> dict[int, LayerExperts]:
+    """``{layer_id: LayerExperts}`` for every MoE layer, holding ``experts`` (global ids)."""
+    model_path = Path(model_path)
+    bad = [e for e in experts if not 0 <= e < info.num_experts]
+    if bad:
+        raise ModelError(f"experts {bad} do not exist: the model has {info.num_experts}")
+    files = _tensor_files(model_path)
+    wanted: dict[Path, list[str]] = {}
+    for layer in info.moe_layers:
+        for expert in experts:
+            for name in info.expert_tensor_names(layer, expert):
+                if name not in files:
+                    raise ModelError(f"tensor {name} is missing from {model_path}")
+                wanted.setdefault(files[name], []).append(name)
+    tensors: dict[str, torch.Tensor] = {}
+    for file, names in wanted.items():
+        with safe_open(file, "pt") as f:
+            for name in names:
+                tensors[name] = f.get_tensor(name).to(dtype)
+    local_index = torch.full((info.num_experts,), -1, dtype=torch.long)
+    local_index[torch.tensor(experts, dtype=torch.long)] = torch.arange(len(experts))
+    layers = {}
+    for layer in info.moe_layers:
+        gates, ups, downs = zip(*(
+            [tensors.pop(n) for n in info.expert_tensor_names(layer, e)] for e in experts))
+        layers[layer] = LayerExperts(
+            w13=torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)]),
+            w2=torch.stack(downs),
+            local_index=local_index,
+        )
+    return layers
+
+
+def weight_bytes(layers: dict[int, LayerExperts]) -> int:
+    return sum(le.w13.nbytes + le.w2.nbytes for le in layers.values())

@@ -1,0 +1,208 @@
+"""``ExpertServer``: polls its slots, batches ready requests, runs experts, publishes results."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from sglang_eaas.backoff import Backoff
+from sglang_eaas.expert_server.compute import foreign_experts, weighted_expert_sum
+from sglang_eaas.expert_server.control import ControlServer
+from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
+from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.protocol import ProtocolError, RegionLayout, SlotLayout, SlotState
+from sglang_eaas.protocol.header import HeaderError, RejectReason, RequestHeader
+from sglang_eaas.protocol.slot import DTYPE_CODES, ServerSlot
+from sglang_eaas.transport import create_transport
+
+logger = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ExpertServerConfig:
+    model_path: str
+    experts: tuple[int, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    dtype: str = "auto"  # weights dtype; "auto" = the checkpoint's
+    transport: str = "shm"
+    max_clients: int = 8
+    max_tokens: int = 2048  # per request; clients split larger batches
+    min_batch_tokens: int = 1
+    max_wait_us: int = 0
+    threads: int = 1
+
+
+@dataclass
+class _Ready:
+    index: int
+    slot: ServerSlot
+    header: RequestHeader
+    hidden: torch.Tensor
+    expert_ids: torch.Tensor
+    router_weights: torch.Tensor
+
+
+class ExpertServer:
+    """Stateless: everything it knows about a client is the slot the client writes into."""
+
+    def __init__(self, config: ExpertServerConfig):
+        self.config = config
+        torch.set_num_threads(config.threads)
+        self.info = MoeModelInfo.from_model_path(config.model_path)
+        self.dtype = DTYPES[self.info.dtype if config.dtype == "auto" else config.dtype]
+        self.layers: dict[int, LayerExperts] = load_experts(
+            config.model_path, self.info, list(config.experts), self.dtype)
+        self.region_layout = RegionLayout.for_requests(
+            config.max_clients, config.max_tokens, self.info.hidden_size, self.info.top_k)
+        self.transport = create_transport(config.transport)
+        self.region = self.transport.create_region(self.region_layout.size)
+        for index in range(config.max_clients):
+            self.region.store_flag(self.region_layout.base(index), SlotState.OFFLINE)
+        self._lock = threading.Lock()
+        self._active: dict[int, ServerSlot] = {}
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.control = ControlServer((config.host, config.port), self._join, self._stats)
+        self._stop = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return self.control.address
+
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.layers)
+
+    # -- control plane -------------------------------------------------------------------
+    def _join(self, message: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None] | None]:
+        if message.get("fingerprint") != self.info.fingerprint():
+            return {"ok": False, "error": (
+                f"expert server {self.address} serves {self.config.model_path} "
+                f"({self.info.model_type}, {self.info.num_experts} experts, hidden "
+                f"{self.info.hidden_size}), which does not match the client's model")}, None
+        dtype = DTYPES.get(message.get("dtype", ""))
+        if dtype is None:
+            return {"ok": False, "error": f"unsupported dtype {message.get('dtype')!r}"}, None
+        with self._lock:
+            free = [i for i in range(self.config.max_clients) if i not in self._active]
+            if not free:
+                return {"ok": False, "error": (
+                    f"expert server {self.address} has all {self.config.max_clients} client "
+                    "slots taken; start it with a larger --max-clients")}, None
+            index = free[0]
+            layout = SlotLayout(self.config.max_tokens, self.info.hidden_size, self.info.top_k,
+                                DTYPE_CODES[dtype])
+            slot = ServerSlot(self.region, self.region_layout.base(index), layout)
+            slot.open()
+            self._active = {**self._active, index: slot}
+            self.stats["clients_joined"] += 1
+        logger.info("client %s joined slot %d", message.get("client"), index)
+
+        def release() -> None:
+            with self._lock:
+                self._active = {k: v for k, v in self._active.items() if k != index}
+                slot.reclaim()
+                self.stats["clients_left"] += 1
+            logger.info("client %s left slot %d", message.get("client"), index)
+
+        h = self.region.handle
+        return {
+            "ok": True, "slot": index, "base": slot.base,
+            "region": {"backend": h.backend, "name": h.name, "size": h.size},
+            "layout": {"max_tokens": layout.max_tokens, "hidden_size": layout.hidden_size,
+                       "top_k": layout.top_k, "dtype": int(layout.dtype)},
+            "experts": list(self.config.experts), "moe_layers": list(self.info.moe_layers),
+        }, release
+
+    def _stats(self) -> dict[str, Any]:
+        return {**self.stats, "weight_bytes": self.weight_bytes(),
+                "fingerprint": self.info.fingerprint(), "pid": os.getpid(),
+                "experts": list(self.config.experts), "clients": len(self._active)}
+
+    # -- data plane ----------------------------------------------------------------------
+    def _collect(self, taken: set[int] = frozenset()) -> list[_Ready]:
+        """Validate every ready slot not in ``taken``; reject bad requests at once."""
+        ready = []
+        for index, slot in self._active.items():
+            if index in taken or not slot.ready():
+                continue
+            try:
+                header, hidden, ids, weights = slot.request()
+                layer = self.layers.get(header.layer_id)
+                if layer is None:
+                    raise HeaderError(RejectReason.UNKNOWN_LAYER, f"layer {header.layer_id}")
+                foreign = foreign_experts(layer, ids)
+                if foreign:
+                    raise HeaderError(RejectReason.FOREIGN_EXPERT, f"experts {foreign}")
+                ready.append(_Ready(index, slot, header, hidden, ids, weights))
+            except HeaderError as exc:
+                self.stats[f"rejected_{exc.reason.name.lower()}"] += 1
+                logger.warning("rejected a request in slot at %d: %s", slot.base, exc)
+                self._answer(slot.reject, exc.reason)
+        return ready
+
+    def _answer(self, publish: Callable, *args) -> None:
+        try:
+            publish(*args)
+        except ProtocolError as exc:  # the client left meanwhile
+            self.stats["answers_dropped"] += 1
+            logger.info("answer dropped: %s", exc)
+
+    def _run(self, batch: list[_Ready]) -> None:
+        by_layer: dict[int, list[_Ready]] = collections.defaultdict(list)
+        for r in batch:
+            by_layer[r.header.layer_id].append(r)
+        for layer_id, requests in by_layer.items():
+            out = weighted_expert_sum(
+                self.layers[layer_id],
+                torch.cat([r.hidden.to(self.dtype) for r in requests]),
+                torch.cat([r.expert_ids for r in requests]),
+                torch.cat([r.router_weights for r in requests]),
+            )
+            start = 0
+            for r in requests:
+                n = r.header.num_tokens
+                r.slot.result_buffer(n).copy_(out[start : start + n])
+                start += n
+                self._answer(r.slot.publish, r.header.seq, n)
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(batch)
+        self.stats["tokens"] += sum(r.header.num_tokens for r in batch)
+
+    def poll_once(self) -> int:
+        """Serve what is ready now (waiting up to ``max_wait_us`` for a minimum batch)."""
+        batch = self._collect()
+        if not batch:
+            return 0
+        deadline = time.perf_counter() + self.config.max_wait_us * 1e-6
+        while (sum(r.header.num_tokens for r in batch) < self.config.min_batch_tokens
+               and time.perf_counter() < deadline):
+            batch += self._collect({r.index for r in batch})
+        self._run(batch)
+        return len(batch)
+
+    def serve_forever(self) -> None:
+        self.control.thread.start()
+        backoff = Backoff()
+        while not self._stop.is_set():
+            if self.poll_once():
+                backoff.reset()
+            else:
+                backoff.pause()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        if self.control.thread.is_alive():
+            self.control.shutdown()
+        self.control.server_close()
+        self.region.close()
+

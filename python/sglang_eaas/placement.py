@@ -1,0 +1,102 @@
+"""Which expert server holds which experts, and how a batch's tokens are split among them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+class PlacementError(ValueError):
+    """A placement that cannot serve the model (an expert without a server, a bad list...)."""
+
+
+def parse_expert_list(spec: str, num_experts: int | None = None) -> list[int]:
+    """``"0-3,6"`` -> ``[0, 1, 2, 3, 6]``; ``"all"`` needs ``num_experts``."""
+    spec = spec.strip()
+    if spec == "all":
+        if num_experts is None:
+            raise PlacementError("'all' needs the model's number of experts")
+        return list(range(num_experts))
+    experts: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise PlacementError(f"{part!r} in {spec!r} is not an expert id or a range 'A-B'")
+        if sep and int(hi) < int(lo):
+            raise PlacementError(f"range {part!r} is empty")
+        experts.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    if not experts or len(set(experts)) != len(experts):
+        raise PlacementError(f"{spec!r} must list each expert once and at least one expert")
+    return sorted(experts)
+
+
+def even_placement(num_experts: int, num_servers: int) -> list[list[int]]:
+    """Contiguous blocks, the first ``num_experts % num_servers`` servers one expert larger."""
+    if not 1 <= num_servers <= num_experts:
+        raise PlacementError(f"cannot spread {num_experts} experts over {num_servers} servers")
+    base, extra = divmod(num_experts, num_servers)
+    blocks, start = [], 0
+    for s in range(num_servers):
+        size = base + (s < extra)
+        blocks.append(list(range(start, start + size)))
+        start += size
+    return blocks
+
+
+def load_placement_file(path: str | Path) -> dict[str, list[int]]:
+    """``{"servers": {"local:0" | "host:port": [expert ids]}}`` from a JSON or YAML file."""
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        import yaml
+
+        data = yaml.safe_load(text)
+    servers = data.get("servers") if isinstance(data, dict) else None
+    if not isinstance(servers, dict) or not servers:
+        raise PlacementError(f"{path}: expected a 'servers' map of server -> expert ids")
+    out = {}
+    for name, experts in servers.items():
+        if not isinstance(experts, list) or not all(isinstance(e, int) for e in experts):
+            raise PlacementError(f"{path}: server {name!r} must map to a list of expert ids")
+        out[str(name)] = sorted(set(experts))
+    return out
+
+
+class ExpertRouting:
+    """Global expert id -> the servers holding it; assigns each (token, k) entry to one server.
+
+    An expert on several servers (replicas) has its entries of a batch dealt round-robin over
+    them in token order: deterministic, and even to within one entry.
+    """
+
+    def __init__(self, server_experts: list[list[int]], num_experts: int):
+        holders: list[list[int]] = [[] for _ in range(num_experts)]
+        for server, experts in enumerate(server_experts):
+            for e in experts:
+                if not 0 <= e < num_experts:
+                    raise PlacementError(
+                        f"server {server} holds expert {e}, but the model has {num_experts}")
+                holders[e].append(server)
+        missing = [e for e, h in enumerate(holders) if not h]
+        if missing:
+            raise PlacementError(f"experts {missing} are on no expert server")
+        self.num_servers = len(server_experts)
+        width = max(len(h) for h in holders)
+        self.replicas = torch.tensor([len(h) for h in holders])
+        self.table = torch.tensor([h + h[:1] * (width - len(h)) for h in holders])
+
+    def assign(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, K]`` expert ids -> ``[T, K]`` server index per entry (-1 for id -1)."""
+        flat = expert_ids.reshape(-1).long()
+        valid = flat >= 0
+        ids = flat[valid]
+        order = torch.argsort(ids, stable=True)
+        sorted_ids = ids[order]
+        rank = torch.empty_like(ids)
+        rank[order] = torch.arange(ids.numel()) - torch.searchsorted(sorted_ids, sorted_ids)
+        server = torch.full_like(flat, -1)
+        server[valid] = self.table[ids, rank % self.replicas[ids]]
+        return server.view(expert_ids.shape)
