@@ -8,6 +8,7 @@ server addresses in ``ServerArgs._eaas`` and join the servers themselves.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import socket
@@ -63,8 +64,9 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
         ExpertRouting(placements, info.num_experts)  # every expert covered, ids in range
         logger.info("sglang-eaas: starting %d local expert servers: %s", len(placements),
                     placements)
-        addresses = start_local_servers(model_path, placements, dtype, max(8, num_ranks))
-        return EaasConfig(RemoteServers(tuple(addresses)))
+        local = start_local_servers(model_path, placements, dtype, max(8, num_ranks))
+        atexit.register(lambda: [s.stop() for s in local])
+        return EaasConfig(RemoteServers(tuple(s.address for s in local)))
     held = []
     for address in servers.addresses:
         stats = probe(address)

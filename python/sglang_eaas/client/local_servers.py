@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_eaas.tools.server_process import free_port
@@ -20,32 +21,51 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_local_servers(model_path: str | Path, placements: list[list[int]], dtype: str,
-                        max_clients: int, startup_timeout: float = 180.0) -> list[str]:
-    """Start one expert server per placement entry; return their addresses once all answer.
+@dataclass
+class LocalServer:
+    address: str
+    process: subprocess.Popen
 
-    The servers share the launcher's stdout/stderr (so their lines land in the server log) and
-    receive SIGTERM when the launcher dies, however it dies.
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_local_servers(model_path: str | Path, placements: list[list[int]], dtype: str,
+                        max_clients: int, extra_args: tuple[str, ...] = (),
+                        startup_timeout: float = 180.0, stdout=None) -> list[LocalServer]:
+    """Start one expert server per placement entry; return them once all answer.
+
+    The servers write to ``stdout`` (default: the caller's, so their lines land in the SGLang
+    server log) and receive SIGTERM when the process that started them dies, however it dies.
     """
-    procs, addresses = [], []
+    servers = []
     for experts in placements:
         address = f"127.0.0.1:{free_port()}"
         command = [sys.executable, "-m", "sglang_eaas.expert_server", "--model-path",
                    str(model_path), "--experts", ",".join(map(str, experts)), "--listen", address,
-                   "--dtype", dtype, "--max-clients", str(max_clients)]
-        procs.append(subprocess.Popen(command, preexec_fn=_die_with_parent))
-        addresses.append(address)
+                   "--dtype", dtype, "--max-clients", str(max_clients), *extra_args]
+        process = subprocess.Popen(command, preexec_fn=_die_with_parent, stdout=stdout,
+                                   stderr=subprocess.STDOUT if stdout else None)
+        servers.append(LocalServer(address, process))
     deadline = time.monotonic() + startup_timeout
-    for proc, address in zip(procs, addresses):
-        while not _accepts(address):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                for p in procs:
-                    p.terminate()
-                why = (f"exited with code {proc.returncode}" if proc.poll() is not None
+    for server in servers:
+        while not _accepts(server.address):
+            if server.process.poll() is not None or time.monotonic() > deadline:
+                for s in servers:
+                    s.stop()
+                why = (f"exited with code {server.process.returncode}"
+                       if server.process.poll() is not None
                        else f"did not answer within {startup_timeout:.0f}s")
-                raise TransportError(f"local expert server {address} {why}; see its output above")
+                raise TransportError(
+                    f"local expert server {server.address} {why}; see its output above")
             time.sleep(0.2)
-    return addresses
+    return servers
 
 
 def _accepts(address: str) -> bool:

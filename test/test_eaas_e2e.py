@@ -1,0 +1,103 @@
+"""SGLang with --eaas: token-identical to monolithic SGLang, with the experts on expert servers."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import CACHE, MAX_NEW_TOKENS, PROMPTS, greedy_tokens, start_server
+
+from sglang_eaas.client.local_servers import start_local_servers
+
+pytestmark = pytest.mark.slow
+PARAMS = re.compile(r"model parameters (\d+) bytes, routed-expert parameters (\d+) bytes")
+
+
+@pytest.fixture(scope="module")
+def expected(monolithic_qwen3):
+    """Monolithic tokens and parameter bytes (the baseline every --eaas run must reproduce)."""
+    (total, routed), = {m.groups() for m in PARAMS.finditer(monolithic_qwen3.log_path.read_text())}
+    return greedy_tokens(monolithic_qwen3), int(total), int(routed)
+
+
+def _run_eaas(model, *args: str, name: str) -> tuple[list[list[int]], str]:
+    server = start_server(model, "--eaas", *args, name=name)
+    try:
+        tokens = greedy_tokens(server)
+        chat = server.chat("Tell me a story about a robot.", max_tokens=4)
+    finally:
+        server.stop()
+    assert chat["usage"]["completion_tokens"] == 4
+    return tokens, server.log_path.read_text()
+
+
+def _check(expected, tokens, log, ranks: int = 1):
+    mono_tokens, mono_total, mono_routed = expected
+    assert tokens == mono_tokens
+    held = [tuple(map(int, m.groups())) for m in PARAMS.finditer(log)]
+    assert len(held) == ranks
+    for total, routed in held:  # no routed-expert weights on any attention rank
+        assert routed == 0
+        # One rank holds exactly the non-expert weights; TP ranks hold shards of them.
+        assert total == mono_total - mono_routed if ranks == 1 else total < mono_total - mono_routed
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3])
+def test_local_servers_match_monolithic(tiny_qwen3, expected, servers):
+    tokens, log = _run_eaas(tiny_qwen3, "--eaas-expert-servers", f"local:{servers}",
+                            name=f"eaas-local{servers}")
+    _check(expected, tokens, log)
+    assert log.count("sglang-eaas expert server ready") == servers
+
+
+def test_uneven_placement_with_replicas(tiny_qwen3, expected, tmp_path):
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({"servers": {
+        "local:0": [0, 1, 2, 3, 4, 5], "local:1": [6, 7, 0], "local:2": [1, 6]}}))
+    tokens, log = _run_eaas(tiny_qwen3, "--eaas-placement", str(placement), name="eaas-replicas")
+    _check(expected, tokens, log)
+
+
+def test_two_attention_ranks_share_remote_servers(tiny_qwen3, expected):
+    """Servers started separately; --tp 2: each rank is a client with its own slots."""
+    log_file = open(CACHE / "logs" / "test" / "eaas-tp2-expert-servers.log", "w")
+    servers = start_local_servers(tiny_qwen3, [[0, 1, 2, 3], [4, 5, 6, 7]], "float32", 4,
+                                  stdout=log_file)
+    try:
+        addresses = ",".join(s.address for s in servers)
+        tokens, log = _run_eaas(tiny_qwen3, "--tp", "2", "--eaas-expert-servers", addresses,
+                                name="eaas-tp2")
+    finally:
+        for s in servers:
+            s.stop()
+        log_file.close()
+    _check(expected, tokens, log, ranks=2)
+    assert "expert server ready" not in log  # nothing spawned: the given servers were used
+    assert open(log_file.name).read().count("joined slot") == 4  # 2 ranks x 2 servers
+
+
+def _launch_fails(model, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device",
+         "cpu", "--eaas", *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    return result.stdout + result.stderr
+
+
+def test_launch_errors_are_clear_and_early(tiny_qwen3, tiny_mixtral, tmp_path):
+    out = _launch_fails(tiny_qwen3, "--eaas-expert-servers", "127.0.0.1:9")
+    assert "expert server 127.0.0.1:9 is unreachable" in out
+    placement = tmp_path / "gap.json"
+    placement.write_text(json.dumps({"servers": {"local:0": [0, 1, 2], "local:1": [4, 5, 6, 7]}}))
+    assert "experts [3] are on no expert server" in _launch_fails(
+        tiny_qwen3, "--eaas-placement", str(placement))
+    mixtral = start_local_servers(tiny_mixtral, [list(range(8))], "float32", 1,
+                                  stdout=subprocess.DEVNULL)[0]
+    try:
+        out = _launch_fails(tiny_qwen3, "--eaas-expert-servers", mixtral.address)
+    finally:
+        mixtral.stop()
+    assert f"expert server {mixtral.address} serves a different model" in out

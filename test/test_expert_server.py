@@ -1,0 +1,181 @@
+"""Expert server processes driven by a real client: results, rejections, dead clients, resources."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import psutil
+import pytest
+import torch
+from conftest import CACHE, model_path
+
+from sglang_eaas.client.client import EaasClient
+from sglang_eaas.client.connection import ServerConnection
+from sglang_eaas.client.launch import probe
+from sglang_eaas.client.local_servers import start_local_servers
+from sglang_eaas.expert_server.experts import load_experts
+from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.protocol.header import RejectReason
+from sglang_eaas.tools.make_tiny_model import PRESETS
+from sglang_eaas.transport import TransportError
+
+PLACEMENT = [[0, 1, 2, 3], [4, 5, 6, 7, 0]]  # expert 0 has a replica
+
+
+@pytest.fixture(scope="module")
+def info(tiny_qwen3) -> MoeModelInfo:
+    return MoeModelInfo.from_model_path(tiny_qwen3)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_qwen3):
+    """Two expert servers with small slots (so a big batch is split) and 3 client slots."""
+    log = open(CACHE / "logs" / "test" / "expert-servers.log", "w")
+    local = start_local_servers(tiny_qwen3, PLACEMENT, "float32", max_clients=3,
+                                extra_args=("--max-tokens", "64"), stdout=log)
+    yield local
+    for s in local:
+        s.stop()
+    log.close()
+
+
+def _client(servers, info, name="test") -> EaasClient:
+    return EaasClient([s.address for s in servers], info, torch.float32, name)
+
+
+def _sglang_reference(tiny_qwen3, info, layer, x, ids, weights):
+    """SGLang's own CPU MoE (moe_forward_native) on a layer holding all experts."""
+    from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
+    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    full = load_experts(tiny_qwen3, info, list(range(info.num_experts)), torch.float32)[layer]
+    module = torch.nn.Module()
+    module.w13_weight, module.w2_weight, module.num_experts = full.w13, full.w2, info.num_experts
+    return moe_forward_native(module, x, StandardTopKOutput(weights, ids, None),
+                              MoeRunnerConfig(activation="silu"))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 200])
+def test_results_match_sglang_moe(servers, info, tiny_qwen3, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, info.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(info.num_experts, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    client = _client(servers, info)
+    try:
+        out = client.forward(1, x, ids, weights)
+    finally:
+        client.close()
+    torch.testing.assert_close(out, _sglang_reference(tiny_qwen3, info, 1, x, ids, weights),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_rejections_are_counted_and_others_keep_being_served(servers, info):
+    good, bad = _client(servers, info, "good"), ServerConnection(
+        servers[0].address, "bad", info.fingerprint(), "float32")
+    before = probe(servers[0].address)
+    x, ids, w = torch.randn(2, info.hidden_size), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+    try:
+        cases = [  # (what goes wrong, how to provoke it)
+            (RejectReason.BAD_CHECKSUM, lambda: bad.region.write(
+                bad.slot.base + bad.layout.request_header + 8, b"\x07")),
+            (RejectReason.UNKNOWN_LAYER, None),
+            (RejectReason.FOREIGN_EXPERT, None),
+        ]
+        for reason, damage in cases:
+            layer = 9 if reason == RejectReason.UNKNOWN_LAYER else 0
+            bad_ids = torch.tensor([[5, 1], [2, 3]]) if reason == RejectReason.FOREIGN_EXPERT else ids
+            if damage is None:
+                bad.slot.send(layer, x, bad_ids, w)
+            else:
+                bad.slot.send(layer, x, ids, w)
+                damage()
+            while not bad.slot.done():
+                time.sleep(0.001)
+            with pytest.raises(Exception, match=reason.name):
+                bad.slot.result()
+            assert good.forward(0, x, ids, w).shape == x.shape  # still served
+        after = probe(servers[0].address)
+        for reason, _ in cases:
+            key = f"rejected_{reason.name.lower()}"
+            assert after.get(key, 0) == before.get(key, 0) + 1
+    finally:
+        good.close()
+        bad.close()
+
+
+def test_dead_client_slot_is_reclaimed(servers, info, tiny_qwen3):
+    code = (
+        "import sys, time, torch\n"
+        "from sglang_eaas.client.client import EaasClient\n"
+        "from sglang_eaas.model_info import MoeModelInfo\n"
+        f"c = EaasClient({[s.address for s in servers]!r}, MoeModelInfo.from_model_path("
+        f"{str(tiny_qwen3)!r}), torch.float32, 'doomed')\n"
+        "print('joined', flush=True); time.sleep(600)\n"
+    )
+    before = probe(servers[0].address)["clients"]
+    doomed = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert doomed.stdout.readline().strip() == "joined"
+    assert probe(servers[0].address)["clients"] == before + 1
+    doomed.kill()
+    doomed.wait()
+    deadline = time.monotonic() + 10
+    while probe(servers[0].address)["clients"] != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert probe(servers[0].address)["clients"] == before
+    # All 3 slots can be taken again, and a 4th client is refused with a clear reason.
+    clients = [_client(servers, info, f"c{i}") for i in range(3)]
+    try:
+        with pytest.raises(TransportError, match="larger --max-clients"):
+            _client(servers, info, "one too many")
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_join_refused_for_another_model(servers, tiny_mixtral):
+    other = MoeModelInfo.from_model_path(tiny_mixtral)
+    with pytest.raises(TransportError, match="does not match the client's model"):
+        ServerConnection(servers[0].address, "x", other.fingerprint(), "float32")
+
+
+def test_idle_server_does_not_burn_a_core(servers):
+    proc = psutil.Process(servers[1].process.pid)
+    time.sleep(1.0)  # past any back-off ramp
+    start = proc.cpu_times()
+    time.sleep(2.0)
+    end = proc.cpu_times()
+    assert (end.user + end.system) - (start.user + start.system) < 0.3  # < 15% of one core
+
+
+def test_resident_memory_scales_with_experts_held():
+    """Experts are read one by one from safetensors: a server's RSS tracks what it holds."""
+    spec = replace(PRESETS["tiny"], experts=16, hidden=256, moe_intermediate=1024, heads=4,
+                   kv_heads=2)
+    path = model_path(spec)
+    per_expert = spec.layers * 3 * spec.hidden * spec.moe_intermediate * 4
+    few, many = start_local_servers(path, [[0, 1], list(range(16))], "float32", 1,
+                                    stdout=subprocess.DEVNULL)
+    try:
+        assert probe(few.address)["weight_bytes"] == 2 * per_expert
+        assert probe(many.address)["weight_bytes"] == 16 * per_expert
+        rss_gap = (psutil.Process(many.process.pid).memory_info().rss
+                   - psutil.Process(few.process.pid).memory_info().rss)
+        assert 0.8 * 14 * per_expert < rss_gap < 1.3 * 14 * per_expert
+    finally:
+        few.stop()
+        many.stop()
+
+
+def test_cli_refuses_bad_arguments(tiny_qwen3):
+    for args, message in [(["--experts", "3-9"], "expert 9 does not exist: the model has 8"),
+                          (["--experts", "x"], "is not an expert id"),
+                          (["--experts", "0", "--listen", "nowhere"], "is not HOST:PORT")]:
+        result = subprocess.run([sys.executable, "-m", "sglang_eaas.expert_server",
+                                 "--model-path", str(tiny_qwen3), *args],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and message in result.stderr
