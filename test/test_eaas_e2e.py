@@ -6,9 +6,11 @@ import json
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import CACHE, MAX_NEW_TOKENS, PROMPTS, greedy_tokens, start_server
+from hf_reference import hf_greedy
 
 from sglang_eaas.client.local_servers import start_local_servers
 
@@ -16,11 +18,46 @@ pytestmark = pytest.mark.slow
 PARAMS = re.compile(r"model parameters (\d+) bytes, routed-expert parameters (\d+) bytes")
 
 
+# A prompt longer than the chunked-prefill size used below, and two sharing a prefix.
+LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 6)
+BATCH = (LONG, PROMPTS[0] + " again", PROMPTS[0] + " and more", *PROMPTS)
+
+
 @pytest.fixture(scope="module")
 def expected(monolithic_qwen3):
     """Monolithic tokens and parameter bytes (the baseline every --eaas run must reproduce)."""
     (total, routed), = {m.groups() for m in PARAMS.finditer(monolithic_qwen3.log_path.read_text())}
     return greedy_tokens(monolithic_qwen3), int(total), int(routed)
+
+
+def _concurrently(server, prompts) -> list[list[int]]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return [r["output_ids"] for r in pool.map(
+            lambda p: server.generate(p, MAX_NEW_TOKENS), prompts)]
+
+
+def test_continuous_batching_chunked_prefill_and_radix_cache(monolithic_qwen3, tiny_qwen3):
+    """Concurrent requests (batched together), a prompt split into prefill chunks and prompts
+    sharing a cached prefix give, one by one, the tokens monolithic SGLang gives alone."""
+    alone = greedy_tokens(monolithic_qwen3, BATCH)
+    server = start_server(tiny_qwen3, "--eaas", "--eaas-expert-servers", "local:2",
+                          "--chunked-prefill-size", "32", name="eaas-batching")
+    try:
+        together = _concurrently(server, BATCH)
+        again = _concurrently(server, BATCH)  # now with the prefixes in the radix cache
+        log = server.log_path.read_text()
+    finally:
+        server.stop()
+    assert together == alone and again == alone
+    assert re.search(r"#running-req: [2-9]", log)  # requests really were batched
+    assert re.search(r"#cached-token: [1-9]", log)  # and the radix cache was hit
+
+
+def test_mixtral(tiny_mixtral):
+    tokens, log = _run_eaas(tiny_mixtral, "--eaas-expert-servers", "local:2",
+                            name="eaas-mixtral")
+    assert tokens == hf_greedy(tiny_mixtral, PROMPTS, MAX_NEW_TOKENS)
+    assert "routed-expert parameters 0 bytes" in log
 
 
 def _run_eaas(model, *args: str, name: str) -> tuple[list[list[int]], str]:

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+
+# Per-expert checkpoint tensors: "...mlp.experts.3.gate_proj.weight" (Qwen3-MoE, DeepSeek),
+# "...block_sparse_moe.experts.3.w1.weight" (Mixtral). Shared experts have no index after
+# "experts" ("shared_expert.", "shared_experts.") and do not match.
+_ROUTED_EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.")
+
+
+def is_routed_expert_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to a routed expert (the expert servers' share)."""
+    return _ROUTED_EXPERT_TENSOR.search(name) is not None
 
 
 class ModelError(ValueError):

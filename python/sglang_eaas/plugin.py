@@ -76,6 +76,12 @@ HOOKS: tuple[Hook, ...] = (
         "--eaas: routed experts run on the expert servers (dispatch -> run -> combine)",
     ),
     Hook(
+        "sglang.srt.model_loader.loader.DefaultModelLoader._get_all_weights",
+        "AROUND",
+        sglang_moe.skip_routed_expert_weights,
+        "--eaas: the attention client never reads routed-expert tensors from the checkpoint",
+    ),
+    Hook(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
         "AFTER",
         sglang_moe.log_parameter_bytes,

@@ -1,7 +1,7 @@
 """Hook bodies that turn SGLang's FusedMoE layers into attention-client MoE layers.
 
-With ``--eaas``, an unquantized FusedMoE creates no routed-expert weights (the loader then skips
-those tensors as "not on this rank"), and its forward sends the routed tokens to the expert
+With ``--eaas``, an unquantized FusedMoE creates no routed-expert weights, the weight loader never
+reads routed-expert tensors, and the layer's forward sends the routed tokens to the expert
 servers through this process's ``EaasClient`` instead of running them. Router (gate), TopK and
 shared experts are untouched and stay local.
 """
@@ -12,13 +12,13 @@ import atexit
 import logging
 import os
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from sglang_eaas import config as eaas_config
 from sglang_eaas.client.client import EaasClient
-from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.model_info import MoeModelInfo, is_routed_expert_tensor
 from sglang_eaas.placement import load_placement_file
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,15 @@ def forward(fused_moe_forward: Callable, layer: torch.nn.Module, hidden_states: 
 
         out = tensor_model_parallel_all_reduce(out)
     return out
+
+
+def skip_routed_expert_weights(get_all_weights: Callable, loader: Any, model_config: Any,
+                               model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """AROUND ``DefaultModelLoader._get_all_weights``: the client never reads routed experts."""
+    weights = get_all_weights(loader, model_config, model)
+    if eaas_config.current() is None:
+        return weights
+    return ((name, w) for name, w in weights if not is_routed_expert_tensor(name))
 
 
 def log_parameter_bytes(_result: Any, model_runner: Any) -> None:
