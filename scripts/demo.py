@@ -1,4 +1,4 @@
-"""Demo: serve a generated tiny MoE model with SGLang + sglang-eaas and answer one chat request.
+"""Demo: SGLang + sglang-eaas on a tiny MoE model, experts on local expert servers, one chat request.
 
 Run through ``bash scripts/demo.sh`` (which sets up .venv first) or, inside the venv,
 ``python scripts/demo.py``. Generates the model into .cache/models on first use.
@@ -22,12 +22,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", default="Tell me a story about a robot.", help="user message")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens to generate")
+    parser.add_argument("--expert-servers", type=int, default=2,
+                        help="local expert servers to run the routed experts on; 0 serves "
+                        "monolithically (experts inside SGLang)")
     args = parser.parse_args()
 
     print("demo: [1/4] tiny Qwen3-MoE checkpoint (generated once, cached in .cache/models)")
     model = cached_model(ROOT / ".cache" / "models", PRESETS["tiny"], log=lambda m: print("  " + m))
     server_args = CPU_ARGS if cpu_runtime.is_active() else ()
-    print(f"demo: [2/4] starting SGLang on {model.name} (about 35 s on 2 CPU cores)")
+    if args.expert_servers:
+        server_args += ("--eaas", "--eaas-expert-servers", f"local:{args.expert_servers}")
+    print(f"demo: [2/4] starting SGLang on {model.name} with {args.expert_servers} local expert "
+          "servers (about 40 s on 2 CPU cores)")
     log_path = ROOT / ".cache" / "logs" / "demo-server.log"
     try:
         with SGLangServer(model, *server_args, log_path=log_path) as server:
@@ -36,7 +42,7 @@ def main() -> int:
             print(json.dumps(reply, indent=2))
             print("demo: [4/4] answer (random weights, so the words are noise):")
             print("  " + repr(reply["choices"][0]["message"]["content"]))
-        print(f"demo: server stopped cleanly (log: {log_path})")
+        print(f"demo: server and expert servers stopped cleanly (log: {log_path})")
     except ServerError as exc:
         print(f"demo: error: {exc}", file=sys.stderr)
         return 1
