@@ -19,18 +19,22 @@ from sglang_eaas.transport import TransportError, create_transport
 LAYOUT = SlotLayout(max_tokens=8, hidden_size=4, top_k=2, dtype=DType.FLOAT32)
 
 
+REGION = RegionLayout(2, LAYOUT.size)
+BASE = REGION.base(0)
+
+
 @pytest.fixture
 def region():
-    r = create_transport("shm").create_region(RegionLayout(2, LAYOUT.size).size)
+    r = create_transport("shm").create_region(REGION.size)
     yield r
     r.close()
 
 
 def _pair(region) -> tuple[ClientSlot, ServerSlot]:
-    server = ServerSlot(region, 0, LAYOUT)
-    region.store_flag(0, SlotState.OFFLINE)
+    server = ServerSlot(region, BASE, LAYOUT)
+    region.store_flag(BASE, SlotState.OFFLINE)
     server.open()
-    return ClientSlot(region, 0, LAYOUT), server
+    return ClientSlot(region, BASE, LAYOUT, REGION.bell), server
 
 
 def _request(tokens: int = 3, seed: int = 0):
@@ -92,14 +96,18 @@ def test_result_header_round_trip():
 def test_request_and_result_travel_through_a_slot(region):
     client, server = _pair(region)
     hidden, ids, weights = _request()
+    bell = region.load_word(REGION.bell)
     client.send(5, hidden, ids, weights)
     assert server.ready() and not client.done()
+    assert region.load_word(REGION.bell) == bell + 1  # the server's doorbell rang
+    assert not client.wait(0.02)  # no answer yet: times out
     header, got_hidden, got_ids, got_weights = server.request()
     assert (header.layer_id, header.num_tokens, header.seq) == (5, 3, 1)
     assert torch.equal(got_hidden, hidden) and torch.equal(got_ids, ids.int())
     assert torch.equal(got_weights, weights)
     server.result_buffer(3).copy_(hidden * 2)
     server.publish(header.seq, 3)
+    assert client.wait(0.0)
     assert torch.equal(client.result(), hidden * 2)
     client.send(6, *_request(seed=1))  # SERVER_DONE -> next request directly
     assert server.request()[0].seq == 2
@@ -115,7 +123,7 @@ def test_client_cannot_overwrite_an_unanswered_request(region):
 def test_corrupt_header_is_rejected_and_the_slot_keeps_working(region):
     client, server = _pair(region)
     client.send(0, *_request())
-    region.write(LAYOUT.request_header + 20, b"\xff\xff")  # damage the published header
+    region.write(BASE + LAYOUT.request_header + 20, b"\xff\xff")  # damage the published header
     with pytest.raises(HeaderError) as exc:
         server.request()
     server.reject(exc.value.reason)
@@ -155,6 +163,28 @@ def test_accesses_outside_the_region_fail(region):
     with pytest.raises(TransportError, match="outside region"):
         peer.store_flag(region.handle.size, 1)
     peer.close()
+
+
+def test_doorbell_wakes_a_sleeper_in_another_process(region):
+    """A futex sleeper on the shared mapping wakes when another process rings the bell."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, time\n"
+            "from sglang_eaas.transport import RegionHandle, create_transport\n"
+            f"r = create_transport('shm').connect(RegionHandle('shm', {region.handle.name!r}, "
+            f"{region.handle.size}))\n"
+            "seen = r.load_word(0); print('ready', flush=True); t = time.monotonic()\n"
+            "r.wait_word(0, seen, 30.0)\n"
+            "print(round(time.monotonic() - t, 3), r.load_word(0) - seen, flush=True)\n")
+    sleeper = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert sleeper.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    region.ring(0)
+    slept, bumps = sleeper.stdout.readline().split()
+    assert sleeper.wait(10) == 0
+    assert 0.2 < float(slept) < 10 and int(bumps) == 1  # it slept, and woke on the ring
 
 
 def test_reclaimed_slot_refuses_a_late_answer(region):

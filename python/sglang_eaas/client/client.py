@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from sglang_eaas.backoff import Backoff
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import ExpertRouting, PlacementError
@@ -70,13 +67,10 @@ class EaasClient:
         return out
 
     def _wait(self, conn: ServerConnection, layer_id: int) -> None:
-        backoff, deadline = Backoff(), time.monotonic() + self.result_timeout
-        while not conn.slot.done():
-            if time.monotonic() > deadline:
-                raise TransportError(
-                    f"expert server {conn.address} did not answer layer {layer_id} within "
-                    f"{self.result_timeout:.0f}s")
-            backoff.pause()
+        if not conn.slot.wait(self.result_timeout):
+            raise TransportError(
+                f"expert server {conn.address} did not answer layer {layer_id} within "
+                f"{self.result_timeout:.0f}s")
 
     def close(self) -> None:
         for conn in self.connections:

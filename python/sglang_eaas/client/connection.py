@@ -35,7 +35,7 @@ class ServerConnection:
         self.experts: list[int] = reply["experts"]
         self.moe_layers: list[int] = reply["moe_layers"]
         self.region = create_transport(handle.backend).connect(handle)
-        self.slot = ClientSlot(self.region, reply["base"], self.layout)
+        self.slot = ClientSlot(self.region, reply["base"], self.layout, reply["bell"])
 
     def _call(self, message: dict) -> dict:
         try:

@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 import torch
 
-from sglang_eaas.backoff import Backoff
 from sglang_eaas.expert_server.compute import foreign_experts, weighted_expert_sum
 from sglang_eaas.expert_server.control import ControlServer
 from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
@@ -114,7 +113,7 @@ class ExpertServer:
 
         h = self.region.handle
         return {
-            "ok": True, "slot": index, "base": slot.base,
+            "ok": True, "slot": index, "base": slot.base, "bell": self.region_layout.bell,
             "region": {"backend": h.backend, "name": h.name, "size": h.size},
             "layout": {"max_tokens": layout.max_tokens, "hidden_size": layout.hidden_size,
                        "top_k": layout.top_k, "dtype": int(layout.dtype)},
@@ -189,13 +188,14 @@ class ExpertServer:
         return len(batch)
 
     def serve_forever(self) -> None:
+        """Serve until ``stop()``; between requests, sleep on the doorbell clients ring."""
         self.control.thread.start()
-        backoff = Backoff()
+        bell = self.region_layout.bell
         while not self._stop.is_set():
-            if self.poll_once():
-                backoff.reset()
-            else:
-                backoff.pause()
+            seen = self.region.load_word(bell)
+            if not self.poll_once():
+                # Bounded: a wake-up lost to store/load reordering costs at most 10 ms.
+                self.region.wait_word(bell, seen, 0.01)
 
     def stop(self) -> None:
         self._stop.set()

@@ -18,8 +18,9 @@ def _align(n: int) -> int:
 class SlotLayout:
     """Offsets inside one slot, for requests of at most ``max_tokens`` tokens.
 
-    ``flag`` has a cache line of its own; the payload sections are sized for ``max_tokens`` so
-    that every section has a fixed offset and can be viewed as a tensor without copying.
+    ``flag`` and the result doorbell ``bell`` (a u32 the server bumps after publishing) share
+    the first cache line; the payload sections are sized for ``max_tokens`` so that every
+    section has a fixed offset and can be viewed as a tensor without copying.
     """
 
     max_tokens: int
@@ -30,6 +31,10 @@ class SlotLayout:
     @property
     def flag(self) -> int:
         return 0
+
+    @property
+    def bell(self) -> int:
+        return 4
 
     @property
     def request_header(self) -> int:
@@ -66,7 +71,8 @@ class SlotLayout:
 
 @dataclass(frozen=True)
 class RegionLayout:
-    """``num_slots`` slots of ``slot_size`` bytes back to back; slot ``i`` starts at ``i * slot_size``.
+    """A header line holding the server doorbell (a u32 clients bump after publishing a
+    request), then ``num_slots`` slots of ``slot_size`` bytes back to back.
 
     Slots are sized for the widest payload dtype, so each client's slot can use its own dtype.
     """
@@ -81,9 +87,13 @@ class RegionLayout:
         return cls(num_slots, SlotLayout(max_tokens, hidden_size, top_k, widest).size)
 
     @property
+    def bell(self) -> int:
+        return 0
+
+    @property
     def size(self) -> int:
-        return self.num_slots * self.slot_size
+        return LINE + self.num_slots * self.slot_size
 
     def base(self, index: int) -> int:
         assert 0 <= index < self.num_slots, (index, self.num_slots)
-        return index * self.slot_size
+        return LINE + index * self.slot_size

@@ -2,9 +2,13 @@
 
 Both work on a ``Region`` from any transport; the ordering rule is always the same: payload,
 then header, then the flag (release); the reader loads the flag (acquire), then the header.
+After publishing, the writer rings the reader's doorbell (a u32 the reader can sleep on):
+the server's region-wide bell for a request, the slot's own bell for a result.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -40,9 +44,9 @@ class _Slot:
 class ClientSlot(_Slot):
     """The client's side: only it writes requests and reads results."""
 
-    def __init__(self, region: Region, base: int, layout: SlotLayout):
+    def __init__(self, region: Region, base: int, layout: SlotLayout, server_bell: int):
         super().__init__(region, base, layout)
-        self.seq = 0
+        self.server_bell, self.seq = server_bell, 0
 
     def send(self, layer_id: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
              router_weights: torch.Tensor) -> None:
@@ -66,9 +70,23 @@ class ClientSlot(_Slot):
                                self.seq, layout.payload_bytes(tokens))
         self.region.write(self.base + layout.request_header, header.pack())
         self._move(Actor.CLIENT, SlotState.CLIENT_WRITE_DONE)
+        self.region.ring(self.server_bell)
 
     def done(self) -> bool:
         return self.state() == SlotState.SERVER_DONE
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until the server published (True) or ``timeout`` seconds passed (False)."""
+        bell, deadline = self.base + self.layout.bell, time.monotonic() + timeout
+        while True:
+            seen = self.region.load_word(bell)
+            if self.done():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            # Bounded sleeps: a wake-up lost to store/load reordering costs at most 10 ms.
+            self.region.wait_word(bell, seen, min(left, 0.01))
 
     def result(self) -> torch.Tensor:
         """The ``[T, hidden_size]`` result of the last request, once ``done()``; zero-copy view.
@@ -135,12 +153,14 @@ class ServerSlot(_Slot):
         self.region.write(self.base + self.layout.result_header,
                           ResultHeader(ResultStatus.OK, seq, num_tokens).pack())
         self._move(Actor.SERVER, SlotState.SERVER_DONE)
+        self.region.ring(self.base + self.layout.bell)
 
     def reject(self, reason: RejectReason) -> None:
         """Answer a request that must not be computed; the client raises on reading it."""
         self.region.write(self.base + self.layout.result_header,
                           ResultHeader(ResultStatus.REJECTED, self.last_seq, 0, reason).pack())
         self._move(Actor.SERVER, SlotState.SERVER_DONE)
+        self.region.ring(self.base + self.layout.bell)
 
     def open(self) -> None:
         """Hand the (OFFLINE) slot to a newly joined client."""

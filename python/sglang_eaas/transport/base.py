@@ -8,6 +8,7 @@ Backends: ``shm`` (same host). Cross-host and device-initiated backends plug in 
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,30 @@ class Region(abc.ABC):
     @abc.abstractmethod
     def store_flag(self, offset: int, value: int) -> None:
         """Write the 1-byte flag (release: earlier writes are visible before the flag is)."""
+
+    def load_word(self, offset: int) -> int:
+        """Read the u32 at ``offset`` (4-byte aligned)."""
+        return int(self.view(offset, 4).view(torch.int32).item()) & 0xFFFFFFFF
+
+    def store_word(self, offset: int, value: int) -> None:
+        self.view(offset, 4).view(torch.int32).fill_(value - (1 << 32) if value >= 1 << 31
+                                                      else value)
+
+    def wait_word(self, offset: int, expected: int, timeout: float) -> None:
+        """Sleep until the u32 at ``offset`` may differ from ``expected`` or ``timeout`` passes.
+
+        May return early for any reason; callers re-check. Backends without a wake-up
+        mechanism just sleep a little.
+        """
+        time.sleep(min(timeout, 50e-6))
+
+    def wake_word(self, offset: int) -> None:
+        """Wake the peers sleeping in ``wait_word`` on ``offset`` (no-op without wake-ups)."""
+
+    def ring(self, offset: int) -> None:
+        """Bump the doorbell u32 at ``offset`` and wake its sleepers."""
+        self.store_word(offset, (self.load_word(offset) + 1) & 0xFFFFFFFF)
+        self.wake_word(offset)
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """``shm`` backend: POSIX shared memory (``/dev/shm``) for clients and servers on one host.
 
 Regions are files under ``/dev/shm`` mapped with ``mmap``; ``view`` returns tensors aliasing the
-mapping, so payloads are written and read in place. Flag ordering: CPython executes the payload
+mapping, so payloads are written and read in place. Doorbell words sleep and wake through Linux
+futexes on the shared mapping, so a waiting peer uses no CPU and wakes at once. Flag ordering: CPython executes the payload
 copy and the 1-byte flag store as separate C calls in program order, and x86-64 (TSO) keeps
 stores, and loads, in program order; the backend refuses other architectures until the native
 release/acquire helpers of the P2P library exist (docs/protocol.md).
@@ -9,6 +10,7 @@ release/acquire helpers of the P2P library exist (docs/protocol.md).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
@@ -16,6 +18,7 @@ import uuid
 
 import torch
 
+from sglang_eaas.transport import futex
 from sglang_eaas.transport.base import Region, RegionHandle, Transport, TransportError
 
 SHM_DIR = "/dev/shm"
@@ -54,6 +57,8 @@ class ShmRegion(Region):
             os.close(fd)
         self._bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._flags = memoryview(self._mmap)
+        self._anchor = ctypes.c_char.from_buffer(self._mmap)
+        self._address = ctypes.addressof(self._anchor)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         self._check(offset, nbytes)
@@ -67,11 +72,27 @@ class ShmRegion(Region):
         self._check(offset, 1)
         self._flags[offset] = value
 
+    def load_word(self, offset: int) -> int:
+        self._check(offset, 4)
+        return ctypes.c_uint32.from_address(self._address + offset).value
+
+    def store_word(self, offset: int, value: int) -> None:
+        self._check(offset, 4)
+        ctypes.c_uint32.from_address(self._address + offset).value = value
+
+    def wait_word(self, offset: int, expected: int, timeout: float) -> None:
+        self._check(offset, 4)
+        futex.wait(self._address + offset, expected, timeout)
+
+    def wake_word(self, offset: int) -> None:
+        self._check(offset, 4)
+        futex.wake(self._address + offset)
+
     def close(self) -> None:
         if self._mmap.closed:
             return
         self._flags.release()
-        del self._bytes
+        del self._bytes, self._anchor
         try:
             self._mmap.close()
         except BufferError:  # a tensor view is still alive; the mapping goes with it
