@@ -7,30 +7,35 @@ import torch
 from sglang_eaas.expert_server.experts import LayerExperts
 
 
-def foreign_experts(layer: LayerExperts, expert_ids: torch.Tensor) -> list[int]:
-    """Global ids in ``expert_ids`` (ignoring -1) that this server does not hold."""
-    valid = expert_ids[expert_ids >= 0].long()
-    if valid.numel() and bool((valid >= layer.local_index.numel()).any()):
-        return sorted(set(valid[valid >= layer.local_index.numel()].tolist()))
-    return sorted(set(valid[layer.local_index[valid] < 0].tolist()))
+def local_experts(layer: LayerExperts, expert_ids: torch.Tensor) -> torch.Tensor:
+    """``[T, K]`` global ids -> flat ``[T * K]`` local rows, -1 where the id is -1.
+
+    Raises ``ValueError`` naming the ids this server does not hold (or that do not exist).
+    """
+    flat = expert_ids.reshape(-1).long()
+    table = layer.local_index
+    held = table[flat.clamp(0, table.numel() - 1)]
+    known = (flat >= 0) & (flat < table.numel()) & (held >= 0)
+    local = torch.where(flat == -1, -1, torch.where(known, held, -2))
+    if bool((local == -2).any()):
+        raise ValueError(f"experts {sorted(set(flat[local == -2].tolist()))}")
+    return local
 
 
-def weighted_expert_sum(layer: LayerExperts, hidden: torch.Tensor, expert_ids: torch.Tensor,
+def weighted_expert_sum(layer: LayerExperts, hidden: torch.Tensor, flat_local: torch.Tensor,
                         router_weights: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` over entries held here.
 
     Args:
         hidden: ``[T, H]`` activations, in the weights' dtype.
-        expert_ids: ``[T, K]`` int32 global ids; -1 (or a foreign id, checked before) is skipped.
+        flat_local: ``[T * K]`` local expert rows from ``local_experts``; -1 is skipped.
         router_weights: ``[T, K]`` float32.
     Returns:
         ``[T, H]`` in ``hidden.dtype``. The sum over k runs in k order with zeros for skipped
         entries, as SGLang's ``moe_forward_native`` does, so that partial sums from several
         servers add up to the monolithic result.
     """
-    tokens, top_k = expert_ids.shape
-    flat_local = torch.where(expert_ids >= 0, layer.local_index[expert_ids.clamp_min(0).long()],
-                             -1).view(-1)
+    tokens, top_k = router_weights.shape
     per_entry = hidden.new_zeros(tokens * top_k, hidden.shape[1])
     order = torch.argsort(flat_local, stable=True)
     counts = torch.bincount(flat_local[flat_local >= 0], minlength=layer.w13.shape[0]).tolist()

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from sglang_eaas.expert_server.compute import foreign_experts, weighted_expert_sum
+from sglang_eaas.expert_server.compute import local_experts, weighted_expert_sum
 from sglang_eaas.expert_server.control import ControlServer
 from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
 from sglang_eaas.model_info import MoeModelInfo
@@ -46,7 +46,7 @@ class _Ready:
     slot: ServerSlot
     header: RequestHeader
     hidden: torch.Tensor
-    expert_ids: torch.Tensor
+    local_experts: torch.Tensor  # [T * K] local rows, -1 = skip
     router_weights: torch.Tensor
 
 
@@ -137,10 +137,11 @@ class ExpertServer:
                 layer = self.layers.get(header.layer_id)
                 if layer is None:
                     raise HeaderError(RejectReason.UNKNOWN_LAYER, f"layer {header.layer_id}")
-                foreign = foreign_experts(layer, ids)
-                if foreign:
-                    raise HeaderError(RejectReason.FOREIGN_EXPERT, f"experts {foreign}")
-                ready.append(_Ready(index, slot, header, hidden, ids, weights))
+                try:
+                    local = local_experts(layer, ids)
+                except ValueError as exc:
+                    raise HeaderError(RejectReason.FOREIGN_EXPERT, str(exc)) from None
+                ready.append(_Ready(index, slot, header, hidden, local, weights))
             except HeaderError as exc:
                 self.stats[f"rejected_{exc.reason.name.lower()}"] += 1
                 logger.warning("rejected a request in slot at %d: %s", slot.base, exc)
@@ -161,9 +162,9 @@ class ExpertServer:
         for layer_id, requests in by_layer.items():
             out = weighted_expert_sum(
                 self.layers[layer_id],
-                torch.cat([r.hidden.to(self.dtype) for r in requests]),
-                torch.cat([r.expert_ids for r in requests]),
-                torch.cat([r.router_weights for r in requests]),
+                _cat([r.hidden.to(self.dtype) for r in requests]),
+                _cat([r.local_experts for r in requests]),
+                _cat([r.router_weights for r in requests]),
             )
             start = 0
             for r in requests:
@@ -206,3 +207,6 @@ class ExpertServer:
         self.control.server_close()
         self.region.close()
 
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

@@ -28,6 +28,12 @@ class _Slot:
     def __init__(self, region: Region, base: int, layout: SlotLayout):
         self.region, self.base, self.layout = region, base, layout
         self.dtype = TORCH_DTYPES[layout.dtype]
+        # Zero-copy views of the payload sections at full capacity; requests use a prefix.
+        rows, h, k = layout.max_tokens, layout.hidden_size, layout.top_k
+        self._hidden = self._tensor(layout.hidden, self.dtype, (rows, h))
+        self._expert_ids = self._tensor(layout.expert_ids, torch.int32, (rows, k))
+        self._router_weights = self._tensor(layout.router_weights, torch.float32, (rows, k))
+        self._result = self._tensor(layout.result, self.dtype, (rows, h))
 
     def state(self) -> int:
         return self.region.load_flag(self.base + self.layout.flag)
@@ -36,8 +42,8 @@ class _Slot:
         check_transition(actor, self.state(), new)
         self.region.store_flag(self.base + self.layout.flag, new)
 
-    def _tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    def _tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
         return self.region.view(self.base + offset, nbytes).view(dtype).view(shape)
 
 
@@ -62,10 +68,9 @@ class ClientSlot(_Slot):
             raise ProtocolError(f"request of {tokens} tokens does not fit slot {layout}")
         check_transition(Actor.CLIENT, self.state(), SlotState.CLIENT_WRITE_DONE)
         self.seq += 1
-        self._tensor(layout.hidden, self.dtype, (tokens, layout.hidden_size)).copy_(hidden)
-        self._tensor(layout.expert_ids, torch.int32, (tokens, layout.top_k)).copy_(expert_ids)
-        self._tensor(layout.router_weights, torch.float32, (tokens, layout.top_k)).copy_(
-            router_weights)
+        self._hidden[:tokens].copy_(hidden)
+        self._expert_ids[:tokens].copy_(expert_ids)
+        self._router_weights[:tokens].copy_(router_weights)
         header = RequestHeader(layer_id, tokens, layout.top_k, layout.hidden_size, layout.dtype,
                                self.seq, layout.payload_bytes(tokens))
         self.region.write(self.base + layout.request_header, header.pack())
@@ -101,8 +106,7 @@ class ClientSlot(_Slot):
             raise ProtocolError(f"server rejected request {self.seq}: {header.reason.name}")
         if header.seq != self.seq:
             raise ProtocolError(f"result is for request {header.seq}, expected {self.seq}")
-        return self._tensor(self.layout.result, self.dtype, (header.num_tokens,
-                                                            self.layout.hidden_size))
+        return self._result[: header.num_tokens]
 
     def leave(self) -> None:
         """Mark the slot OFFLINE (orderly close); waits for no one."""
@@ -137,16 +141,12 @@ class ServerSlot(_Slot):
                 or header.hidden_size != layout.hidden_size or not 0 < tokens <= layout.max_tokens
                 or header.payload_bytes != layout.payload_bytes(tokens)):
             raise HeaderError(RejectReason.BAD_SIZES, f"{header} does not match {layout}")
-        return (
-            header,
-            self._tensor(layout.hidden, self.dtype, (tokens, layout.hidden_size)),
-            self._tensor(layout.expert_ids, torch.int32, (tokens, layout.top_k)),
-            self._tensor(layout.router_weights, torch.float32, (tokens, layout.top_k)),
-        )
+        return (header, self._hidden[:tokens], self._expert_ids[:tokens],
+                self._router_weights[:tokens])
 
     def result_buffer(self, num_tokens: int) -> torch.Tensor:
         """Where to compute the ``[num_tokens, hidden_size]`` result in place."""
-        return self._tensor(self.layout.result, self.dtype, (num_tokens, self.layout.hidden_size))
+        return self._result[:num_tokens]
 
     def publish(self, seq: int, num_tokens: int) -> None:
         """The result is in ``result_buffer``: write its header, then SERVER_DONE."""

@@ -64,6 +64,17 @@ class ShmRegion(Region):
         self._check(offset, nbytes)
         return self._bytes[offset : offset + nbytes]
 
+    def read(self, offset: int, nbytes: int) -> bytes:
+        self._check(offset, nbytes)
+        return self._flags[offset : offset + nbytes].tobytes()
+
+    def write(self, offset: int, data: torch.Tensor | bytes) -> None:
+        if isinstance(data, (bytes, bytearray)):
+            self._check(offset, len(data))
+            self._flags[offset : offset + len(data)] = data
+        else:
+            super().write(offset, data)
+
     def load_flag(self, offset: int) -> int:
         self._check(offset, 1)
         return self._flags[offset]
