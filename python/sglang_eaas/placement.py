@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
+import numpy as np
 
 
 class PlacementError(ValueError):
@@ -85,18 +85,26 @@ class ExpertRouting:
             raise PlacementError(f"experts {missing} are on no expert server")
         self.num_servers = len(server_experts)
         width = max(len(h) for h in holders)
-        self.replicas = torch.tensor([len(h) for h in holders])
-        self.table = torch.tensor([h + h[:1] * (width - len(h)) for h in holders])
+        self.replicas = np.array([len(h) for h in holders])
+        self.table = np.array([h + h[:1] * (width - len(h)) for h in holders])
+        self.has_replicas = width > 1
 
-    def assign(self, expert_ids: torch.Tensor) -> torch.Tensor:
-        """``[T, K]`` expert ids -> ``[T, K]`` server index per entry (-1 for id -1)."""
-        flat = expert_ids.reshape(-1).long()
+    def assign(self, expert_ids: np.ndarray) -> np.ndarray:
+        """``[T, K]`` expert ids -> ``[T, K]`` server index per entry (-1 for id -1).
+
+        NumPy, not torch: this is bookkeeping on a few small integer arrays, where NumPy's
+        per-call cost is a fraction of torch's.
+        """
+        flat = expert_ids.reshape(-1)
         valid = flat >= 0
         ids = flat[valid]
-        order = torch.argsort(ids, stable=True)
-        sorted_ids = ids[order]
-        rank = torch.empty_like(ids)
-        rank[order] = torch.arange(ids.numel()) - torch.searchsorted(sorted_ids, sorted_ids)
-        server = torch.full_like(flat, -1)
-        server[valid] = self.table[ids, rank % self.replicas[ids]]
-        return server.view(expert_ids.shape)
+        server = np.full(flat.shape, -1, dtype=np.int64)
+        if not self.has_replicas:
+            server[valid] = self.table[ids, 0]
+        else:
+            order = np.argsort(ids, kind="stable")
+            sorted_ids = ids[order]
+            rank = np.empty_like(ids)
+            rank[order] = np.arange(ids.size) - np.searchsorted(sorted_ids, sorted_ids)
+            server[valid] = self.table[ids, rank % self.replicas[ids]]
+        return server.reshape(expert_ids.shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sglang_eaas.client.connection import ServerConnection
@@ -45,14 +46,15 @@ class EaasClient:
             ``[T, H]`` in ``hidden.dtype``: partial sums added in server order (deterministic).
         """
         out = torch.zeros_like(hidden)
-        server_of = self.routing.assign(topk_ids)
+        ids_np = topk_ids.numpy()
+        server_of = self.routing.assign(ids_np)
         plans = []
-        for index, conn in enumerate(self.connections):
+        for index in np.unique(server_of[server_of >= 0]).tolist():
             mask = server_of == index
-            rows = mask.any(dim=1).nonzero().squeeze(1)
-            if rows.numel():
-                ids = torch.where(mask, topk_ids, -1)[rows].to(torch.int32)
-                plans.append((conn, rows, ids, topk_weights[rows].float()))
+            rows = np.flatnonzero(mask.any(axis=1))
+            ids = torch.from_numpy(np.where(mask, ids_np, -1)[rows].astype(np.int32))
+            rows = torch.from_numpy(rows)
+            plans.append((self.connections[index], rows, ids, topk_weights[rows].float()))
         longest = max((rows.numel() for _, rows, _, _ in plans), default=0)
         for start in range(0, longest, self.max_tokens):
             sent = []
