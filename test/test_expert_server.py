@@ -179,3 +179,31 @@ def test_cli_refuses_bad_arguments(tiny_qwen3):
                                  "--model-path", str(tiny_qwen3), *args],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and message in result.stderr
+
+
+def test_minimum_batch_gathers_requests_of_several_clients(tiny_qwen3, info):
+    """--min-batch-tokens/--max-wait-us: two clients' requests are computed as one batch."""
+    (server,) = start_local_servers(tiny_qwen3, [list(range(8))], "float32", 2,
+                                    extra_args=("--min-batch-tokens", "4",
+                                                "--max-wait-us", "5000000"),
+                                    stdout=subprocess.DEVNULL)
+    a, b = (ServerConnection(server.address, n, info.fingerprint(), "float32") for n in "ab")
+    try:
+        x, ids, w = torch.randn(2, info.hidden_size), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+        a.slot.send(0, x, ids, w)
+        time.sleep(0.2)  # a's 2 tokens wait for more
+        assert not a.slot.done()
+        b.slot.send(0, x, ids, w)
+        assert a.slot.wait(10) and b.slot.wait(10)
+        assert torch.equal(a.slot.result(), b.slot.result())
+        stats = probe(server.address)
+        assert (stats["batches"], stats["requests"], stats["tokens"]) == (1, 2, 4)
+    finally:
+        a.close()
+        b.close()
+        server.stop()
+
+
+def test_a_local_server_that_cannot_start_is_reported(tiny_qwen3):
+    with pytest.raises(TransportError, match=r"local expert server .* exited with code 2"):
+        start_local_servers(tiny_qwen3, [[0, 99]], "float32", 1, stdout=subprocess.DEVNULL)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import socket
 from typing import Any, Callable
 
@@ -85,6 +86,9 @@ def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **
     """AROUND ``Engine._launch_subprocesses``."""
     cfg = getattr(server_args, "_eaas", None)
     if cfg is not None:
+        # Thread budget: SGLang's workers wait for expert servers often; OpenMP threads that
+        # spin after each parallel region would take the cores those servers compute on.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         ranks = server_args.tp_size * server_args.pp_size * max(server_args.dp_size, 1)
         server_args._eaas = prepare_expert_servers(cfg, server_args.model_path,
                                                    server_args.dtype, ranks)
