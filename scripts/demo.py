@@ -1,4 +1,4 @@
-"""Demo: SGLang + sglang-eaas on a tiny MoE model, experts on local expert servers, one chat request.
+"""Demo: SGLang + sglang-eaas on a tiny MoE model, experts on local expert servers, one request.
 
 Run through ``bash scripts/demo.sh`` (which sets up .venv first) or, inside the venv,
 ``python scripts/demo.py``. Generates the model into .cache/models on first use.

@@ -88,7 +88,8 @@ def test_rejections_are_counted_and_others_keep_being_served(servers, info):
         ]
         for reason, damage in cases:
             layer = 9 if reason == RejectReason.UNKNOWN_LAYER else 0
-            bad_ids = torch.tensor([[5, 1], [2, 3]]) if reason == RejectReason.FOREIGN_EXPERT else ids
+            foreign = reason == RejectReason.FOREIGN_EXPERT
+            bad_ids = torch.tensor([[5, 1], [2, 3]]) if foreign else ids
             if damage is None:
                 bad.slot.send(layer, x, bad_ids, w)
             else:
@@ -189,7 +190,8 @@ def test_minimum_batch_gathers_requests_of_several_clients(tiny_qwen3, info):
                                     stdout=subprocess.DEVNULL)
     a, b = (ServerConnection(server.address, n, info.fingerprint(), "float32") for n in "ab")
     try:
-        x, ids, w = torch.randn(2, info.hidden_size), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+        x, ids = torch.randn(2, info.hidden_size), torch.tensor([[0, 1], [2, 3]])
+        w = torch.rand(2, 2)
         a.slot.send(0, x, ids, w)
         time.sleep(0.2)  # a's 2 tokens wait for more
         assert not a.slot.done()

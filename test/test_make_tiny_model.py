@@ -83,4 +83,5 @@ def test_presets():
     head_dim = bench.hidden // bench.heads
     attention_macs = bench.hidden * head_dim * (2 * bench.heads + 2 * bench.kv_heads)
     assert expert_macs > 1.5 * attention_macs  # routed experts dominate per-token compute
-    assert parse_args(["out", "--preset", "bench", "--experts", "64"])[1] == replace(bench, experts=64)
+    parsed = parse_args(["out", "--preset", "bench", "--experts", "64"])[1]
+    assert parsed == replace(bench, experts=64)

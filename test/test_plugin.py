@@ -1,4 +1,4 @@
-"""The plugin loads through SGLang's entry points, its flags parse and travel to worker processes."""
+"""The plugin loads through SGLang's entry points; its flags parse and travel to workers."""
 
 from __future__ import annotations
 

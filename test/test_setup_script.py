@@ -13,8 +13,8 @@ SETUP = Path(__file__).resolve().parent.parent / "scripts" / "setup.sh"
 
 
 def _run(env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([shutil.which("bash"), str(SETUP)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([shutil.which("bash"), str(SETUP)], env=env, capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_second_run_has_nothing_to_do():

@@ -60,7 +60,8 @@ class MoeModelInfo:
         layers = config["num_hidden_layers"]
         num_experts = config.get("num_local_experts", config.get("num_experts"))
         if model_type == "qwen3_moe":
-            step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers", []))
+            step = config.get("decoder_sparse_step", 1)
+            dense = set(config.get("mlp_only_layers", []))
             moe_layers = tuple(i for i in range(layers)
                                if i not in dense and num_experts and (i + 1) % step == 0)
             intermediate = config["moe_intermediate_size"]

@@ -8,9 +8,10 @@ import torch
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import ExpertRouting, PlacementError
+from sglang_eaas.protocol.slot import DTYPES_BY_NAME
 from sglang_eaas.transport import TransportError
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
 
 
 class EaasClient:

@@ -12,7 +12,8 @@ from sglang_eaas.placement import PlacementError, parse_expert_list
 
 
 def parse_args(argv: list[str] | None = None):
-    from sglang_eaas.expert_server.server import DTYPES, ExpertServerConfig
+    from sglang_eaas.expert_server.server import ExpertServerConfig
+    from sglang_eaas.protocol.slot import DTYPES_BY_NAME
 
     p = argparse.ArgumentParser(
         prog="python -m sglang_eaas.expert_server",
@@ -26,7 +27,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="control endpoint where clients join (port 0: pick a free one and print "
                    "it); default %(default)s")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES_BY_NAME],
                    help="weights dtype; 'auto' keeps the checkpoint's. A client with another "
                    "dtype is served with conversion")
     p.add_argument("--transport", default="shm", choices=["shm"],

@@ -18,11 +18,10 @@ from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RegionLayout, SlotLayout, SlotState
 from sglang_eaas.protocol.header import HeaderError, RejectReason, RequestHeader
-from sglang_eaas.protocol.slot import DTYPE_CODES, ServerSlot
+from sglang_eaas.protocol.slot import DTYPE_CODES, DTYPES_BY_NAME, ServerSlot
 from sglang_eaas.transport import create_transport
 
 logger = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class ExpertServer:
         self.config = config
         torch.set_num_threads(config.threads)
         self.info = MoeModelInfo.from_model_path(config.model_path)
-        self.dtype = DTYPES[self.info.dtype if config.dtype == "auto" else config.dtype]
+        self.dtype = DTYPES_BY_NAME[self.info.dtype if config.dtype == "auto" else config.dtype]
         self.layers: dict[int, LayerExperts] = load_experts(
             config.model_path, self.info, list(config.experts), self.dtype)
         self.region_layout = RegionLayout.for_requests(
@@ -86,7 +85,7 @@ class ExpertServer:
                 f"expert server {self.address} serves {self.config.model_path} "
                 f"({self.info.model_type}, {self.info.num_experts} experts, hidden "
                 f"{self.info.hidden_size}), which does not match the client's model")}, None
-        dtype = DTYPES.get(message.get("dtype", ""))
+        dtype = DTYPES_BY_NAME.get(message.get("dtype", ""))
         if dtype is None:
             return {"ok": False, "error": f"unsupported dtype {message.get('dtype')!r}"}, None
         with self._lock:

@@ -22,6 +22,8 @@ from sglang_eaas.transport.base import Region
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16,
                 DType.FLOAT16: torch.float16}
 DTYPE_CODES = {v: k for k, v in TORCH_DTYPES.items()}
+# The names used on command lines and in join messages.
+DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _Slot:

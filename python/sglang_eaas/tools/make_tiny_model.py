@@ -144,7 +144,8 @@ def make_model(out: Path, spec: ModelSpec, log=print) -> Path:
     tokenizer = build_tokenizer(spec.vocab_size)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     config = hf_config(spec, len(tokenizer), eos_id)
-    log(f"[2/3] {spec.arch} weights: {spec.layers} layers x {spec.experts} experts (top-{spec.top_k})")
+    log(f"[2/3] {spec.arch} weights: {spec.layers} layers x {spec.experts} experts "
+        f"(top-{spec.top_k})")
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
     randomize_(model, spec.seed)

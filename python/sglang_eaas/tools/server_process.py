@@ -64,7 +64,8 @@ class SGLangServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ServerError(f"server exited with code {self.process.returncode}\n{self.log_tail()}")
+                raise ServerError(
+                    f"server exited with code {self.process.returncode}\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.url}/health_generate", timeout=5).status_code == 200:
                     return self

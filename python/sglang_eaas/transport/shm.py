@@ -2,10 +2,12 @@
 
 Regions are files under ``/dev/shm`` mapped with ``mmap``; ``view`` returns tensors aliasing the
 mapping, so payloads are written and read in place. Doorbell words sleep and wake through Linux
-futexes on the shared mapping, so a waiting peer uses no CPU and wakes at once. Flag ordering: CPython executes the payload
-copy and the 1-byte flag store as separate C calls in program order, and x86-64 (TSO) keeps
-stores, and loads, in program order; the backend refuses other architectures until the native
-release/acquire helpers of the P2P library exist (docs/protocol.md).
+futexes on the shared mapping, so a waiting peer uses no CPU and wakes at once.
+
+Flag ordering: CPython executes the payload copy and the 1-byte flag store as separate C calls
+in program order, and x86-64 (TSO) keeps stores, and loads, in program order; the backend
+refuses other architectures until the native release/acquire helpers of the P2P library exist
+(docs/protocol.md).
 """
 
 from __future__ import annotations
