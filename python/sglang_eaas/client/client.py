@@ -47,14 +47,14 @@ class EaasClient:
             ``[T, H]`` in ``hidden.dtype``: partial sums added in server order (deterministic).
         """
         out = torch.zeros_like(hidden)
-        ids_np = topk_ids.numpy()
+        ids_np = topk_ids.cpu().numpy()
         server_of = self.routing.assign(ids_np)
         plans = []
         for index in np.unique(server_of[server_of >= 0]).tolist():
             mask = server_of == index
             rows = np.flatnonzero(mask.any(axis=1))
             ids = torch.from_numpy(np.where(mask, ids_np, -1)[rows].astype(np.int32))
-            rows = torch.from_numpy(rows)
+            rows = torch.from_numpy(rows).to(hidden.device)
             plans.append((self.connections[index], rows, ids, topk_weights[rows].float()))
         longest = max((rows.numel() for _, rows, _, _ in plans), default=0)
         for start in range(0, longest, self.max_tokens):
@@ -66,7 +66,7 @@ class EaasClient:
                     sent.append((conn, rows[chunk]))
             for conn, rows in sent:
                 self._wait(conn, layer_id)
-                out.index_add_(0, rows, conn.slot.result())
+                out.index_add_(0, rows, conn.slot.result().to(out.device))
         return out
 
     def _wait(self, conn: ServerConnection, layer_id: int) -> None:
