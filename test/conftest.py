@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import pytest
 
 from sglang_eaas.tools.make_tiny_model import PRESETS, ModelSpec, cached_model
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer
+
+# The shared secret of every expert server the tests start (inherited by their processes).
+os.environ.setdefault("SGLANG_EAAS_TOKEN", "sglang-eaas-test-token")
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"

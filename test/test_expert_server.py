@@ -18,6 +18,7 @@ from sglang_eaas.client.launch import probe
 from sglang_eaas.client.local_servers import start_local_servers
 from sglang_eaas.expert_server.experts import load_experts
 from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.protocol import ProtocolError, RequestHeader, SlotState
 from sglang_eaas.protocol.header import RejectReason
 from sglang_eaas.tools.make_tiny_model import PRESETS
 from sglang_eaas.transport import TransportError
@@ -74,34 +75,41 @@ def test_results_match_sglang_moe(servers, info, tiny_qwen3, tokens):
                                rtol=1e-6, atol=1e-6)
 
 
+def _publish_corrupted(conn: ServerConnection, x, ids, weights) -> None:
+    """What a client with a memory fault would publish: a request whose header has a bad byte."""
+    slot, layout = conn.slot, conn.layout
+    slot.seq += 1
+    slot._hidden[: len(x)].copy_(x)
+    slot._expert_ids[: len(x)].copy_(ids)
+    slot._router_weights[: len(x)].copy_(weights)
+    header = bytearray(RequestHeader(0, len(x), layout.top_k, layout.hidden_size, layout.dtype,
+                                     slot.seq, layout.payload_bytes(len(x))).pack())
+    header[8] ^= 0x07  # the layer id, covered by the checksum
+    conn.region.write(slot.base + layout.request_header, bytes(header))
+    conn.region.store_flag(slot.base + layout.flag, SlotState.CLIENT_WRITE_DONE)
+    conn.region.ring(slot.server_bell)
+
+
 def test_rejections_are_counted_and_others_keep_being_served(servers, info):
     good, bad = _client(servers, info, "good"), ServerConnection(
         servers[0].address, "bad", info.fingerprint(), "float32")
     before = probe(servers[0].address)
     x, ids, w = torch.randn(2, info.hidden_size), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+    cases = {  # what goes wrong -> how to provoke it
+        RejectReason.BAD_CHECKSUM: lambda: _publish_corrupted(bad, x, ids, w),
+        RejectReason.UNKNOWN_LAYER: lambda: bad.slot.send(9, x, ids, w),
+        RejectReason.FOREIGN_EXPERT: lambda: bad.slot.send(0, x, torch.tensor([[5, 1], [2, 3]]),
+                                                           w),
+    }
     try:
-        cases = [  # (what goes wrong, how to provoke it)
-            (RejectReason.BAD_CHECKSUM, lambda: bad.region.write(
-                bad.slot.base + bad.layout.request_header + 8, b"\x07")),
-            (RejectReason.UNKNOWN_LAYER, None),
-            (RejectReason.FOREIGN_EXPERT, None),
-        ]
-        for reason, damage in cases:
-            layer = 9 if reason == RejectReason.UNKNOWN_LAYER else 0
-            foreign = reason == RejectReason.FOREIGN_EXPERT
-            bad_ids = torch.tensor([[5, 1], [2, 3]]) if foreign else ids
-            if damage is None:
-                bad.slot.send(layer, x, bad_ids, w)
-            else:
-                bad.slot.send(layer, x, ids, w)
-                damage()
-            while not bad.slot.done():
-                time.sleep(0.001)
-            with pytest.raises(Exception, match=reason.name):
+        for reason, provoke in cases.items():
+            provoke()
+            assert bad.slot.wait(10)
+            with pytest.raises(ProtocolError, match=reason.name):
                 bad.slot.result()
-            assert good.forward(0, x, ids, w).shape == x.shape  # still served
+            assert good.forward(0, x, ids, w).shape == x.shape  # others are still served
         after = probe(servers[0].address)
-        for reason, _ in cases:
+        for reason in cases:
             key = f"rejected_{reason.name.lower()}"
             assert after.get(key, 0) == before.get(key, 0) + 1
     finally:
@@ -175,11 +183,51 @@ def test_resident_memory_scales_with_experts_held():
 def test_cli_refuses_bad_arguments(tiny_qwen3):
     for args, message in [(["--experts", "3-9"], "expert 9 does not exist: the model has 8"),
                           (["--experts", "x"], "is not an expert id"),
-                          (["--experts", "0", "--listen", "nowhere"], "is not HOST:PORT")]:
+                          (["--experts", "0", "--listen", "nowhere"], "is not HOST:PORT"),
+                          (["--experts", "0", "--token", ""], "needs a shared token")]:
         result = subprocess.run([sys.executable, "-m", "sglang_eaas.expert_server",
                                  "--model-path", str(tiny_qwen3), *args],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and message in result.stderr
+
+
+def test_unauthenticated_clients_are_refused(servers, info, monkeypatch):
+    before = probe(servers[0].address).get("refused_connections", 0)
+    with pytest.raises(TransportError, match="authentication failed"):
+        ServerConnection(servers[0].address, "intruder", info.fingerprint(), "float32",
+                         token="wrong")
+    with monkeypatch.context() as env:
+        env.delenv("SGLANG_EAAS_TOKEN")
+        with pytest.raises(TransportError, match="refused a stats request: authentication"):
+            probe(servers[0].address)
+    assert probe(servers[0].address)["refused_connections"] == before + 2
+
+
+def test_a_join_never_confirmed_leaves_nothing_behind(servers, info):
+    """A client that joins but dies before 'ready' holds no slot: all slots can be taken."""
+    import json
+    import os
+    import socket
+
+    host, port = servers[0].address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall((json.dumps({"op": "join", "client": "half", "dtype": "float32",
+                                  "fingerprint": info.fingerprint(),
+                                  "token": os.environ["SGLANG_EAAS_TOKEN"]}) + "\n").encode())
+        reply = json.loads(sock.makefile().readline())
+        assert reply["ok"] and probe(servers[0].address)["clients"] == 0  # reserved, not served
+    deadline = time.monotonic() + 10
+    clients = []
+    try:
+        while len(clients) < 3 and time.monotonic() < deadline:
+            try:
+                clients.append(_client(servers, info, f"retry{len(clients)}"))
+            except TransportError:
+                time.sleep(0.1)  # the dead connection is still being torn down
+        assert len(clients) == 3
+    finally:
+        for c in clients:
+            c.close()
 
 
 def test_minimum_batch_gathers_requests_of_several_clients(tiny_qwen3, info):

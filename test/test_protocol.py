@@ -180,11 +180,11 @@ def test_doorbell_wakes_a_sleeper_in_another_process(region):
             "print(round(time.monotonic() - t, 3), r.load_word(0) - seen, flush=True)\n")
     sleeper = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert sleeper.stdout.readline().strip() == "ready"
-    time.sleep(0.3)
+    time.sleep(1.0)  # let it fall asleep
     region.ring(0)
     slept, bumps = sleeper.stdout.readline().split()
     assert sleeper.wait(10) == 0
-    assert 0.2 < float(slept) < 10 and int(bumps) == 1  # it slept, and woke on the ring
+    assert 0.5 < float(slept) < 10 and int(bumps) == 1  # it slept, and woke on the ring
 
 
 def test_reclaimed_slot_refuses_a_late_answer(region):

@@ -11,7 +11,7 @@ instead of silently serving without it.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -62,19 +62,19 @@ class EaasConfig:
 
     expert_servers: LocalServers | RemoteServers | None = None  # None: local:2 or the placement
     placement: Path | None = None
+    token: str | None = field(default=None, repr=False)  # else SGLANG_EAAS_TOKEN
 
     def __reduce__(self):
-        return (_restore_in_worker, (self.expert_servers, self.placement))
+        return (_restore_in_worker, (self.expert_servers, self.placement, self.token))
 
 
-def _restore_in_worker(
-    expert_servers: LocalServers | RemoteServers, placement: Path | None
-) -> EaasConfig:
+def _restore_in_worker(expert_servers: LocalServers | RemoteServers, placement: Path | None,
+                       token: str | None) -> EaasConfig:
     """Unpickle hook: a worker process only gets an EaasConfig if the plugin is active in it."""
     from sglang_eaas import plugin
 
     plugin.ensure_active_in_process()
-    return EaasConfig(expert_servers, placement)
+    return EaasConfig(expert_servers, placement, token)
 
 
 class _EnableEaas(argparse.Action):
@@ -120,6 +120,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="File mapping each expert server to the experts it holds (replicas allowed), "
         "instead of the even placement; format in docs/plugin.md.",
     )
+    group.add_argument(
+        "--eaas-token",
+        default=None,
+        metavar="TOKEN",
+        help="Shared secret of the expert servers' control endpoints (default: the "
+        "SGLANG_EAAS_TOKEN environment variable, which keeps it off the command line; "
+        "generated when local servers are spawned and none is set).",
+    )
 
 
 def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
@@ -131,7 +139,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
     if not getattr(args, "eaas", False):
         given = [
             f"--{name.replace('_', '-')}"
-            for name in ("eaas_expert_servers", "eaas_placement")
+            for name in ("eaas_expert_servers", "eaas_placement", "eaas_token")
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -140,7 +148,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
     if getattr(args, "ep_size", 1) > 1 or getattr(args, "moe_a2a_backend", "none") != "none":
         raise ValueError("--eaas replaces expert parallelism: drop --ep/--moe-a2a-backend "
                          "(attention keeps --tp)")
-    return EaasConfig(args.eaas_expert_servers, args.eaas_placement)
+    return EaasConfig(args.eaas_expert_servers, args.eaas_placement, args.eaas_token)
 
 
 def current() -> EaasConfig | None:

@@ -25,4 +25,11 @@ CPU_RUNTIME = EnvVar(
     "and no real sgl_kernel is installed; 'on'/'off' force it.",
 )
 
-ALL = (CPU_RUNTIME,)
+TOKEN = EnvVar(
+    "SGLANG_EAAS_TOKEN",
+    "",
+    "Shared secret of expert servers' control endpoints: servers refuse clients without it. "
+    "'--eaas-expert-servers local:N' generates one when unset.",
+)
+
+ALL = (CPU_RUNTIME, TOKEN)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 
+from sglang_eaas import envs
 from sglang_eaas.protocol.header import DType
 from sglang_eaas.protocol.layout import SlotLayout
 from sglang_eaas.protocol.slot import ClientSlot
@@ -15,8 +16,10 @@ class ServerConnection:
     """Joins on construction; the slot stays ours while the control socket is open."""
 
     def __init__(self, address: str, client_name: str, fingerprint: str, dtype: str,
-                 timeout: float = 30.0):
-        self.address = address
+                 token: str | None = None, timeout: float = 30.0):
+        """Join in two steps: ``join`` reserves a slot, ``ready`` (sent once the region is
+        mapped here) makes the server poll it; a failure in between frees the slot."""
+        self.address, self.token = address, envs.TOKEN.get() if token is None else token
         host, _, port = address.rpartition(":")
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=timeout)
@@ -34,12 +37,19 @@ class ServerConnection:
                                  DType(layout["dtype"]))
         self.experts: list[int] = reply["experts"]
         self.moe_layers: list[int] = reply["moe_layers"]
-        self.region = create_transport(handle.backend).connect(handle)
-        self.slot = ClientSlot(self.region, reply["base"], self.layout, reply["bell"])
+        try:
+            self.region = create_transport(handle.backend).connect(handle)
+            self.slot = ClientSlot(self.region, reply["base"], self.layout, reply["bell"])
+            ready = self._call({"op": "ready"})
+            if not ready.get("ok"):
+                raise TransportError(f"expert server {address}: {ready.get('error')}")
+        except BaseException:
+            self.close()
+            raise
 
     def _call(self, message: dict) -> dict:
         try:
-            self._file.write((json.dumps(message) + "\n").encode())
+            self._file.write((json.dumps({**message, "token": self.token}) + "\n").encode())
             self._file.flush()
             line = self._file.readline()
         except OSError as exc:
@@ -53,11 +63,12 @@ class ServerConnection:
 
     def close(self) -> None:
         """Leave the slot (OFFLINE) and close the control connection."""
-        slot = getattr(self, "slot", None)
-        if slot is not None:
-            slot.leave()
-            self.region.close()
+        if getattr(self, "slot", None) is not None:
+            self.slot.leave()
             self.slot = None
+        if getattr(self, "region", None) is not None:
+            self.region.close()
+            self.region = None
         try:
             self._file.close()
             self._sock.close()

@@ -12,9 +12,11 @@ import atexit
 import json
 import logging
 import os
+import secrets
 import socket
 from typing import Any, Callable
 
+from sglang_eaas import envs
 from sglang_eaas.client.local_servers import start_local_servers
 from sglang_eaas.config import EaasConfig, LocalServers, RemoteServers
 from sglang_eaas.model_info import MoeModelInfo
@@ -30,14 +32,16 @@ DEFAULT_LOCAL = LocalServers(2)
 def probe(address: str, timeout: float = 10.0) -> dict[str, Any]:
     """A server's stats (experts, model fingerprint...) over its control endpoint."""
     host, _, port = address.rpartition(":")
+    request = json.dumps({"op": "stats", "token": envs.TOKEN.get()}) + "\n"
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-            sock.sendall(b'{"op": "stats"}\n')
+            sock.sendall(request.encode())
             reply = json.loads(sock.makefile("rb").readline() or b"{}")
     except (OSError, ValueError) as exc:
         raise TransportError(f"expert server {address} is unreachable: {exc}") from exc
     if not reply.get("ok"):
-        raise TransportError(f"expert server {address} did not answer a stats request: {reply}")
+        raise TransportError(f"expert server {address} refused a stats request: "
+                             f"{reply.get('error', reply)}")
     return reply["stats"]
 
 
@@ -63,11 +67,16 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
         placements = None
     if placements is not None:
         ExpertRouting(placements, info.num_experts)  # every expert covered, ids in range
+        if not envs.TOKEN.get():  # inherited by the local servers and SGLang's workers
+            os.environ[envs.TOKEN.name] = secrets.token_hex(16)
         logger.info("sglang-eaas: starting %d local expert servers: %s", len(placements),
                     placements)
         local = start_local_servers(model_path, placements, dtype, max(8, num_ranks))
         atexit.register(lambda: [s.stop() for s in local])
-        return EaasConfig(RemoteServers(tuple(s.address for s in local)))
+        return EaasConfig(RemoteServers(tuple(s.address for s in local)), token=cfg.token)
+    if not envs.TOKEN.get():
+        raise TransportError(f"expert servers started separately need their shared token: set "
+                             f"{envs.TOKEN.name} or pass --eaas-token")
     held = []
     for address in servers.addresses:
         stats = probe(address)
@@ -79,13 +88,15 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
                                  f"{cfg.placement} says {planned[address]}")
         held.append(stats["experts"])
     ExpertRouting(held, info.num_experts)
-    return EaasConfig(servers, cfg.placement)
+    return EaasConfig(servers, cfg.placement, cfg.token)
 
 
 def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **kwargs):
     """AROUND ``Engine._launch_subprocesses``."""
     cfg = getattr(server_args, "_eaas", None)
     if cfg is not None:
+        if cfg.token:
+            os.environ[envs.TOKEN.name] = cfg.token
         # Thread budget: SGLang's workers wait for expert servers often; OpenMP threads that
         # spin after each parallel region would take the cores those servers compute on.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

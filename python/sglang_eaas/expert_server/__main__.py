@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 
+from sglang_eaas import envs
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 from sglang_eaas.placement import PlacementError, parse_expert_list
 
@@ -27,6 +28,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="control endpoint where clients join (port 0: pick a free one and print "
                    "it); default %(default)s")
+    p.add_argument("--token", default=None,
+                   help="shared secret clients must present (default: the SGLANG_EAAS_TOKEN "
+                   "environment variable, which keeps it off the command line); required")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES_BY_NAME],
                    help="weights dtype; 'auto' keeps the checkpoint's. A client with another "
                    "dtype is served with conversion")
@@ -50,6 +54,9 @@ def parse_args(argv: list[str] | None = None):
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         p.error(f"--listen {args.listen!r} is not HOST:PORT")
+    token = envs.TOKEN.get() if args.token is None else args.token
+    if not token:
+        p.error(f"an expert server needs a shared token: pass --token or set {envs.TOKEN.name}")
     for flag in ("max_clients", "max_tokens", "min_batch_tokens", "threads"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -62,7 +69,7 @@ def parse_args(argv: list[str] | None = None):
     except (ModelError, PlacementError) as exc:
         p.error(str(exc))
     return args, ExpertServerConfig(
-        model_path=args.model_path, experts=tuple(experts), host=host, port=int(port),
+        model_path=args.model_path, experts=tuple(experts), host=host, port=int(port), token=token,
         dtype=args.dtype, transport=args.transport, max_clients=args.max_clients,
         max_tokens=args.max_tokens, min_batch_tokens=args.min_batch_tokens,
         max_wait_us=args.max_wait_us, threads=args.threads,

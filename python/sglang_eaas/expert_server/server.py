@@ -30,6 +30,7 @@ class ExpertServerConfig:
     experts: tuple[int, ...]
     host: str = "127.0.0.1"
     port: int = 0
+    token: str = ""  # shared secret clients must present on the control endpoint
     dtype: str = "auto"  # weights dtype; "auto" = the checkpoint's
     transport: str = "shm"
     max_clients: int = 8
@@ -66,9 +67,11 @@ class ExpertServer:
         for index in range(config.max_clients):
             self.region.store_flag(self.region_layout.base(index), SlotState.OFFLINE)
         self._lock = threading.Lock()
-        self._active: dict[int, ServerSlot] = {}
+        self._active: dict[int, ServerSlot] = {}  # replaced, never mutated: the loop reads it
+        self._reserved: set[int] = set()  # joined, not yet ready
         self.stats: collections.Counter[str] = collections.Counter()
-        self.control = ControlServer((config.host, config.port), self._join, self._stats)
+        self.control = ControlServer((config.host, config.port), config.token, self._join,
+                                     self._stats)
         self._stop = threading.Event()
 
     @property
@@ -79,7 +82,8 @@ class ExpertServer:
         return weight_bytes(self.layers)
 
     # -- control plane -------------------------------------------------------------------
-    def _join(self, message: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None] | None]:
+    def _join(self, message: dict[str, Any]) -> tuple[dict[str, Any], "_Membership | None"]:
+        """Reserve a slot for a client; it serves only once the client confirms (``ready``)."""
         if message.get("fingerprint") != self.info.fingerprint():
             return {"ok": False, "error": (
                 f"expert server {self.address} serves {self.config.model_path} "
@@ -89,27 +93,17 @@ class ExpertServer:
         if dtype is None:
             return {"ok": False, "error": f"unsupported dtype {message.get('dtype')!r}"}, None
         with self._lock:
-            free = [i for i in range(self.config.max_clients) if i not in self._active]
+            free = [i for i in range(self.config.max_clients)
+                    if i not in self._active and i not in self._reserved]
             if not free:
                 return {"ok": False, "error": (
                     f"expert server {self.address} has all {self.config.max_clients} client "
                     "slots taken; start it with a larger --max-clients")}, None
             index = free[0]
-            layout = SlotLayout(self.config.max_tokens, self.info.hidden_size, self.info.top_k,
-                                DTYPE_CODES[dtype])
-            slot = ServerSlot(self.region, self.region_layout.base(index), layout)
-            slot.open()
-            self._active = {**self._active, index: slot}
-            self.stats["clients_joined"] += 1
-        logger.info("client %s joined slot %d", message.get("client"), index)
-
-        def release() -> None:
-            with self._lock:
-                self._active = {k: v for k, v in self._active.items() if k != index}
-                slot.reclaim()
-                self.stats["clients_left"] += 1
-            logger.info("client %s left slot %d", message.get("client"), index)
-
+            self._reserved.add(index)
+        layout = SlotLayout(self.config.max_tokens, self.info.hidden_size, self.info.top_k,
+                            DTYPE_CODES[dtype])
+        slot = ServerSlot(self.region, self.region_layout.base(index), layout)
         h = self.region.handle
         return {
             "ok": True, "slot": index, "base": slot.base, "bell": self.region_layout.bell,
@@ -117,7 +111,7 @@ class ExpertServer:
             "layout": {"max_tokens": layout.max_tokens, "hidden_size": layout.hidden_size,
                        "top_k": layout.top_k, "dtype": int(layout.dtype)},
             "experts": list(self.config.experts), "moe_layers": list(self.info.moe_layers),
-        }, release
+        }, _Membership(self, index, slot, str(message.get("client")))
 
     def _stats(self) -> dict[str, Any]:
         return {**self.stats, "weight_bytes": self.weight_bytes(),
@@ -209,3 +203,36 @@ class ExpertServer:
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+class _Membership:
+    """A client's hold on one slot: reserved at join, serving after ``ready``, freed on release.
+
+    Only a confirmed client's slot is polled, and whatever step fails, ``release`` returns the
+    slot to the pool: nothing stays half-registered and the client can simply join again.
+    """
+
+    def __init__(self, server: ExpertServer, index: int, slot: ServerSlot, client: str):
+        self.server, self.index, self.slot, self.client = server, index, slot, client
+        self.active = False
+
+    def activate(self) -> None:
+        server = self.server
+        with server._lock:
+            self.slot.open()
+            server._reserved.discard(self.index)
+            server._active = {**server._active, self.index: self.slot}
+            server.stats["clients_joined"] += 1
+            self.active = True
+        logger.info("client %s joined slot %d", self.client, self.index)
+
+    def release(self) -> None:
+        server = self.server
+        with server._lock:
+            server._reserved.discard(self.index)
+            if self.active:
+                server._active = {k: v for k, v in server._active.items() if k != self.index}
+                self.slot.reclaim()
+                server.stats["clients_left"] += 1
+        if self.active:
+            logger.info("client %s left slot %d", self.client, self.index)
