@@ -6,8 +6,10 @@ import json
 import re
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 from conftest import CACHE, MAX_NEW_TOKENS, PROMPTS, greedy_tokens, start_server
 from hf_reference import hf_greedy
@@ -68,7 +70,19 @@ def _run_eaas(model, *args: str, name: str) -> tuple[list[list[int]], str]:
     finally:
         server.stop()
     assert chat["usage"]["completion_tokens"] == 4
-    return tokens, server.log_path.read_text()
+    log = server.log_path.read_text()
+    spawned = re.findall(r"expert server ready on (\S+):", log)
+    deadline = time.monotonic() + 15
+    while _live_expert_servers(spawned) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _live_expert_servers(spawned) == []  # the local expert servers stopped with SGLang
+    return tokens, log
+
+
+def _live_expert_servers(addresses: list[str]) -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["status"] != psutil.STATUS_ZOMBIE
+            and any(f"--listen {a}" in " ".join(p.info["cmdline"] or []) for a in addresses)]
 
 
 def _check(expected, tokens, log, ranks: int = 1):
