@@ -84,8 +84,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
         "AFTER",
-        sglang_moe.log_parameter_bytes,
-        "log the parameter bytes each rank holds (routed experts: 0 with --eaas)",
+        sglang_moe.check_loaded_model,
+        "--eaas: refuse MoE layers that stayed local; log the parameter bytes each rank holds",
     ),
     Hook(
         "sglang.srt.arg_groups.platform_hook.handle_cpu_backends",

@@ -71,11 +71,7 @@ def forward(fused_moe_forward: Callable, layer: torch.nn.Module, hidden_states: 
     otherwise in the decoder layer, exactly where SGLang does it) assembles the full output.
     """
     client: EaasClient | None = getattr(layer, "_eaas_client", None)
-    if client is None:
-        if eaas_config.current() is not None:
-            raise RuntimeError(
-                f"--eaas: MoE layer {layer.layer_id} uses {type(layer.quant_method).__name__}; "
-                "expert servers support unquantized checkpoints only")
+    if client is None:  # monolithic SGLang (checked at load time, see ``check_loaded_model``)
         return fused_moe_forward(layer, hidden_states, topk_output, *args, **kwargs)
     ids, weights = topk_output.topk_ids, topk_output.topk_weights
     tokens, rank, ranks = hidden_states.shape[0], layer.moe_tp_rank, layer.moe_tp_size
@@ -102,8 +98,19 @@ def skip_routed_expert_weights(get_all_weights: Callable, loader: Any, model_con
     return ((name, w) for name, w in weights if not is_routed_expert_tensor(name))
 
 
-def log_parameter_bytes(_result: Any, model_runner: Any) -> None:
-    """AFTER ``ModelRunner.load_model``: what this rank holds (the tests read this line)."""
+def check_loaded_model(_result: Any, model_runner: Any) -> None:
+    """AFTER ``ModelRunner.load_model``: with ``--eaas`` every MoE layer must be remote (a
+    quantized one is not), then log what this rank holds (the tests read this line)."""
+    if eaas_config.current() is not None:
+        from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+        local = [m for m in model_runner.model.modules()
+                 if isinstance(m, FusedMoE) and not hasattr(m, "_eaas_client")]
+        if local:
+            raise RuntimeError(
+                f"--eaas: MoE layer {local[0].layer_id} uses "
+                f"{type(local[0].quant_method).__name__}; expert servers support unquantized "
+                "checkpoints only")
     params = list(model_runner.model.named_parameters())
     routed = sum(p.numel() * p.element_size() for name, p in params
                  if ".experts.w13_weight" in name or ".experts.w2_weight" in name)
