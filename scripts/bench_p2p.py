@@ -19,14 +19,12 @@ Goal (paper): at bs=128, shm within 2x of memcpy and at least 5x faster than ZMQ
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import multiprocessing as mp
 import os
 import queue
 import re
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,10 +41,12 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from sglang_eaas.client.local_servers import die_with_parent
 from sglang_eaas.protocol.flags import SlotState
 from sglang_eaas.protocol.header import DType
 from sglang_eaas.protocol.layout import RegionLayout, SlotLayout
 from sglang_eaas.protocol.slot import ClientSlot, ServerSlot
+from sglang_eaas.tools.server_process import free_port
 from sglang_eaas.transport import Region, RegionHandle, create_transport
 
 HIDDEN = 7168
@@ -54,7 +54,6 @@ DTYPE = torch.bfloat16
 SLOT = SlotLayout(max_tokens=512, hidden_size=HIDDEN, top_k=1, dtype=DType.BFLOAT16)
 TIMEOUT = 60.0  # seconds: any single wait longer than this is a hang
 GOAL_BS = 128
-PR_SET_PDEATHSIG = 1  # prctl(2)
 RoundTrip = Callable[[torch.Tensor], list[torch.Tensor]]
 
 
@@ -96,8 +95,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def _worker(link: Link, threads: int, target: Callable[..., Any], args: tuple) -> None:
     """Process entry point: run ``target(link, *args)`` and report its result or traceback."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    # SIGTERM this worker if the parent dies, even by SIGKILL, so that no server outlives it.
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent()  # even if the parent is SIGKILLed, no server outlives it
     torch.set_num_threads(threads)
     try:
         value = target(link, *args)
@@ -345,12 +343,6 @@ def gloo_echo(plan: Plan) -> None:
         for _ in range(plan.round_trips):
             dist.recv(buffer, 0)
             dist.send(buffer, 0)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_memcpy(plan: Plan) -> dict[int, float]:

@@ -17,7 +17,8 @@ from sglang_eaas.transport import TransportError
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies, however the parent dies."""
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
@@ -50,7 +51,7 @@ def start_local_servers(model_path: str | Path, placements: list[list[int]], dty
         command = [sys.executable, "-m", "sglang_eaas.expert_server", "--model-path",
                    str(model_path), "--experts", ",".join(map(str, experts)), "--listen", address,
                    "--dtype", dtype, "--max-clients", str(max_clients), *extra_args]
-        process = subprocess.Popen(command, preexec_fn=_die_with_parent, stdout=stdout,
+        process = subprocess.Popen(command, preexec_fn=die_with_parent, stdout=stdout,
                                    stderr=subprocess.STDOUT if stdout else None)
         servers.append(LocalServer(address, process))
     deadline = time.monotonic() + startup_timeout
