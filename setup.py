@@ -1,13 +1,17 @@
 """sglang-eaas: disaggregated Mixture-of-Experts serving as an SGLang plugin."""
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 setup(
     name="sglang-eaas",
     version="0.1.0",
     description="Expert-as-a-Service for SGLang: routed experts on separate, stateless expert servers",
-    package_dir={"": "python"},
-    packages=find_packages("python"),
+    # Two source roots: the plugin (python/sglang_eaas) and the P2P library (ibgda/).
+    package_dir={"": "python", "ibgda": "ibgda"},
+    packages=find_packages("python") + ["ibgda"] + [
+        f"ibgda.{p}" for p in find_packages("ibgda")],
+    ext_modules=[Extension("ibgda._host_atomics", ["ibgda/csrc/host_atomics.c"],
+                           extra_compile_args=["-std=c11", "-O2"])],
     # The CPU runtime's stand-in packages are plain folders put on sys.path, not subpackages.
     package_data={"sglang_eaas.cpu_runtime": ["shims/*/*.py"]},
     python_requires=">=3.10",
