@@ -38,6 +38,13 @@ def tiny_mixtral() -> Path:
     return model_path(replace(PRESETS["tiny"], arch="mixtral"))
 
 
+def open_log(name: str):
+    """A fresh log file .cache/logs/test/NAME.log for processes a test starts."""
+    path = CACHE / "logs" / "test" / f"{name}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "w")
+
+
 def start_server(model: Path, *args: str, name: str) -> SGLangServer:
     """A float32 CPU server on ``model``; its log goes to .cache/logs/test/NAME.log."""
     log_path = CACHE / "logs" / "test" / f"{name}.log"

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
-from conftest import CACHE, MAX_NEW_TOKENS, PROMPTS, greedy_tokens, start_server
+from conftest import MAX_NEW_TOKENS, PROMPTS, greedy_tokens, open_log, start_server
 from hf_reference import hf_greedy
 
 from sglang_eaas.client.local_servers import start_local_servers
@@ -114,7 +114,7 @@ def test_uneven_placement_with_replicas(tiny_qwen3, expected, tmp_path):
 
 def test_two_attention_ranks_share_remote_servers(tiny_qwen3, expected):
     """Servers started separately; --tp 2: each rank is a client with its own slots."""
-    log_file = open(CACHE / "logs" / "test" / "eaas-tp2-expert-servers.log", "w")
+    log_file = open_log("eaas-tp2-expert-servers")
     servers = start_local_servers(tiny_qwen3, [[0, 1, 2, 3], [4, 5, 6, 7]], "float32", 4,
                                   stdout=log_file)
     try:

@@ -10,8 +10,7 @@ from dataclasses import replace
 import psutil
 import pytest
 import torch
-from conftest import CACHE, model_path
-
+from conftest import model_path, open_log
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.client.launch import probe
@@ -21,7 +20,8 @@ from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RequestHeader, SlotState
 from sglang_eaas.protocol.header import RejectReason
 from sglang_eaas.tools.make_tiny_model import PRESETS
-from sglang_eaas.transport import TransportError
+
+from ibgda import TransportError
 
 PLACEMENT = [[0, 1, 2, 3], [4, 5, 6, 7, 0]]  # expert 0 has a replica
 
@@ -34,7 +34,7 @@ def info(tiny_qwen3) -> MoeModelInfo:
 @pytest.fixture(scope="module")
 def servers(tiny_qwen3):
     """Two expert servers with small slots (so a big batch is split) and 3 client slots."""
-    log = open(CACHE / "logs" / "test" / "expert-servers.log", "w")
+    log = open_log("expert-servers")
     local = start_local_servers(tiny_qwen3, PLACEMENT, "float32", max_clients=3,
                                 extra_args=("--max-tokens", "64"), stdout=log)
     yield local
@@ -77,17 +77,18 @@ def test_results_match_sglang_moe(servers, info, tiny_qwen3, tokens):
 
 def _publish_corrupted(conn: ServerConnection, x, ids, weights) -> None:
     """What a client with a memory fault would publish: a request whose header has a bad byte."""
-    slot, layout = conn.slot, conn.layout
+    slot, layout, base = conn.slot, conn.layout, conn.slot.base
     slot.seq += 1
-    slot._hidden[: len(x)].copy_(x)
-    slot._expert_ids[: len(x)].copy_(ids)
-    slot._router_weights[: len(x)].copy_(weights)
     header = bytearray(RequestHeader(0, len(x), layout.top_k, layout.hidden_size, layout.dtype,
                                      slot.seq, layout.payload_bytes(len(x))).pack())
     header[8] ^= 0x07  # the layer id, covered by the checksum
-    conn.region.write(slot.base + layout.request_header, bytes(header))
-    conn.region.store_flag(slot.base + layout.flag, SlotState.CLIENT_WRITE_DONE)
-    conn.region.ring(slot.server_bell)
+    conn.region.put_signal([
+        (base + layout.hidden, x), (base + layout.expert_ids, ids.int()),
+        (base + layout.router_weights, weights),
+        (base + layout.request_header, torch.frombuffer(header, dtype=torch.uint8)),
+    ], base + layout.flag, SlotState.CLIENT_WRITE_DONE)
+    slot.state = SlotState.CLIENT_WRITE_DONE
+    conn.region.notify(slot.server_bell)
 
 
 def test_rejections_are_counted_and_others_keep_being_served(servers, info):
@@ -242,7 +243,7 @@ def test_minimum_batch_gathers_requests_of_several_clients(tiny_qwen3, info):
         w = torch.rand(2, 2)
         a.slot.send(0, x, ids, w)
         time.sleep(0.2)  # a's 2 tokens wait for more
-        assert not a.slot.done()
+        assert not a.slot.wait(0)
         b.slot.send(0, x, ids, w)
         assert a.slot.wait(10) and b.slot.wait(10)
         assert torch.equal(a.slot.result(), b.slot.result())

@@ -1,20 +1,35 @@
-"""The slot protocol: flag state machine, headers, and both slot ends over a real shm region."""
+"""The slot protocol: flag state machine, headers, and both slot ends over every ibgda backend.
+
+The server's end works on the local region; the client's end reaches it through the backend's
+one-sided remote region (Mooncake over loopback TCP, device kernels under the interpreter).
+"""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from sglang_eaas.protocol import (
-    Actor, HeaderError, ProtocolError, RegionLayout, RequestHeader, ResultHeader, ResultStatus,
-    SlotLayout, SlotState, check_transition,
+    Actor,
+    HeaderError,
+    ProtocolError,
+    RegionLayout,
+    RequestHeader,
+    ResultHeader,
+    ResultStatus,
+    SlotLayout,
+    SlotState,
+    check_transition,
 )
 from sglang_eaas.protocol.flags import LEGAL_TRANSITIONS
 from sglang_eaas.protocol.header import DType, RejectReason
 from sglang_eaas.protocol.slot import ClientSlot, ServerSlot
-from sglang_eaas.transport import TransportError, create_transport
+
+from ibgda import TransportError, create_transport
+from ibgda_backends import BACKENDS, backend_transport
 
 LAYOUT = SlotLayout(max_tokens=8, hidden_size=4, top_k=2, dtype=DType.FLOAT32)
 
@@ -23,18 +38,31 @@ REGION = RegionLayout(2, LAYOUT.size)
 BASE = REGION.base(0)
 
 
+@pytest.fixture(params=BACKENDS)
+def transport(request, monkeypatch):
+    return backend_transport(request.param, monkeypatch)
+
+
 @pytest.fixture
-def region():
-    r = create_transport("shm").create_region(REGION.size)
+def region(transport):
+    r = transport.create_region(REGION.size)
     yield r
     r.close()
 
 
-def _pair(region) -> tuple[ClientSlot, ServerSlot]:
+@pytest.fixture
+def remote(transport, region):
+    peer = transport.connect(region.handle)
+    yield peer
+    peer.close()
+
+
+@pytest.fixture
+def pair(region, remote) -> tuple[ClientSlot, ServerSlot]:
     server = ServerSlot(region, BASE, LAYOUT)
     region.store_flag(BASE, SlotState.OFFLINE)
     server.open()
-    return ClientSlot(region, BASE, LAYOUT, REGION.bell), server
+    return ClientSlot(remote, BASE, LAYOUT, REGION.bell), server
 
 
 def _request(tokens: int = 3, seed: int = 0):
@@ -93,13 +121,14 @@ def test_result_header_round_trip():
     assert ResultHeader.unpack(header.pack()) == header
 
 
-def test_request_and_result_travel_through_a_slot(region):
-    client, server = _pair(region)
+def test_request_and_result_travel_through_a_slot(pair, region, transport):
+    client, server = pair
     hidden, ids, weights = _request()
     bell = region.load_word(REGION.bell)
     client.send(5, hidden, ids, weights)
-    assert server.ready() and not client.done()
-    assert region.load_word(REGION.bell) == bell + 1  # the server's doorbell rang
+    assert server.ready()
+    rang = region.load_word(REGION.bell) - bell
+    assert rang == (1 if transport.owner_sleeps_on_futex else 0)  # doorbell where it wakes
     assert not client.wait(0.02)  # no answer yet: times out
     header, got_hidden, got_ids, got_weights = server.request()
     assert (header.layer_id, header.num_tokens, header.seq) == (5, 3, 1)
@@ -113,20 +142,21 @@ def test_request_and_result_travel_through_a_slot(region):
     assert server.request()[0].seq == 2
 
 
-def test_client_cannot_overwrite_an_unanswered_request(region):
-    client, _ = _pair(region)
+def test_client_cannot_overwrite_an_unanswered_request(pair):
+    client, _ = pair
     client.send(0, *_request())
     with pytest.raises(ProtocolError, match="CLIENT_WRITE_DONE"):
         client.send(0, *_request())
 
 
-def test_corrupt_header_is_rejected_and_the_slot_keeps_working(region):
-    client, server = _pair(region)
+def test_corrupt_header_is_rejected_and_the_slot_keeps_working(pair, region):
+    client, server = pair
     client.send(0, *_request())
-    region.write(BASE + LAYOUT.request_header + 20, b"\xff\xff")  # damage the published header
+    region.view(BASE + LAYOUT.request_header + 20, 2).fill_(0xFF)  # damage the published header
     with pytest.raises(HeaderError) as exc:
         server.request()
     server.reject(exc.value.reason)
+    assert client.wait(5.0)
     with pytest.raises(ProtocolError, match="BAD_CHECKSUM"):
         client.result()
     hidden, ids, weights = _request(seed=2)
@@ -134,14 +164,15 @@ def test_corrupt_header_is_rejected_and_the_slot_keeps_working(region):
     header = server.request()[0]
     server.result_buffer(3).copy_(hidden)
     server.publish(header.seq, 3)
-    assert torch.equal(client.result(), hidden)
+    assert client.wait(5.0) and torch.equal(client.result(), hidden)
 
 
-def test_stale_sequence_is_rejected(region):
-    client, server = _pair(region)
+def test_stale_sequence_is_rejected(pair):
+    client, server = pair
     client.send(0, *_request())
     server.request()
     server.publish(1, 3)
+    assert client.wait(5.0)
     client.seq = 0  # a replayed (old) request number
     client.send(0, *_request())
     with pytest.raises(HeaderError) as exc:
@@ -149,46 +180,56 @@ def test_stale_sequence_is_rejected(region):
     assert exc.value.reason == RejectReason.STALE_SEQUENCE
 
 
-def test_oversized_request_is_refused_before_writing(region):
-    client, server = _pair(region)
+def test_oversized_request_is_refused_before_writing(pair):
+    client, server = pair
     with pytest.raises(ProtocolError, match="does not fit"):
         client.send(0, *_request(tokens=9))
     assert server.state() == SlotState.EMPTY
 
 
-def test_accesses_outside_the_region_fail(region):
+def test_accesses_outside_the_region_fail(region, remote):
+    before = region.view(0, region.handle.size).clone()
     with pytest.raises(TransportError, match="outside region"):
         region.view(region.handle.size - 4, 8)
-    peer = create_transport("shm").connect(region.handle)
-    with pytest.raises(TransportError, match="outside region"):
-        peer.store_flag(region.handle.size, 1)
-    peer.close()
+    for bad in (lambda: remote.store_flag(region.handle.size, 1),
+                lambda: remote.write(region.handle.size - 4, torch.ones(8, dtype=torch.uint8)),
+                lambda: remote.write(-1, torch.ones(1, dtype=torch.uint8)),
+                lambda: remote.read(region.handle.size, torch.empty(1, dtype=torch.uint8)),
+                lambda: remote.put_signal([(64, torch.ones(region.handle.size))], 0, 1)):
+        with pytest.raises(TransportError, match="outside region"):
+            bad()
+    assert torch.equal(region.view(0, region.handle.size), before)  # nothing landed
 
 
-def test_doorbell_wakes_a_sleeper_in_another_process(region):
-    """A futex sleeper on the shared mapping wakes when another process rings the bell."""
+def test_doorbell_wakes_a_sleeper_in_another_process():
+    """shm: a peer sleeping on the bell (futex) wakes when the owner stores the flag and rings."""
     import subprocess
     import sys
     import time
 
-    code = ("import sys, time\n"
-            "from sglang_eaas.transport import RegionHandle, create_transport\n"
-            f"r = create_transport('shm').connect(RegionHandle('shm', {region.handle.name!r}, "
-            f"{region.handle.size}))\n"
-            "seen = r.load_word(0); print('ready', flush=True); t = time.monotonic()\n"
-            "r.wait_word(0, seen, 30.0)\n"
-            "print(round(time.monotonic() - t, 3), r.load_word(0) - seen, flush=True)\n")
-    sleeper = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert sleeper.stdout.readline().strip() == "ready"
-    time.sleep(1.0)  # let it fall asleep
-    region.ring(0)
-    slept, bumps = sleeper.stdout.readline().split()
-    assert sleeper.wait(10) == 0
-    assert 0.5 < float(slept) < 10 and int(bumps) == 1  # it slept, and woke on the ring
+    region = create_transport("shm").create_region(REGION.size)
+    code = ("import json, sys, time\n"
+            "from ibgda import RegionHandle, create_transport\n"
+            "r = create_transport('shm').connect(RegionHandle.from_dict(json.loads(sys.argv[1])))\n"
+            "print('ready', flush=True); t = time.monotonic()\n"
+            "ok = r.wait_flag(64, 2, 30.0, bell=0)\n"
+            "print(round(time.monotonic() - t, 3), ok, flush=True)\n")
+    sleeper = subprocess.Popen([sys.executable, "-c", code, json.dumps(region.handle.to_dict())],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert sleeper.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # let it fall asleep
+        region.store_flag(64, 2)
+        region.notify(0)
+        slept, ok = sleeper.stdout.readline().split()
+        assert sleeper.wait(10) == 0
+        assert 0.5 < float(slept) < 10 and ok == "True"  # it slept, and woke on the ring
+    finally:
+        region.close()
 
 
-def test_reclaimed_slot_refuses_a_late_answer(region):
-    client, server = _pair(region)
+def test_reclaimed_slot_refuses_a_late_answer(pair):
+    client, server = pair
     client.send(0, *_request())
     server.request()
     server.reclaim()  # the client died meanwhile

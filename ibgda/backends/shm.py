@@ -60,11 +60,12 @@ class ShmLocalRegion(HostLocalRegion):
 
 class ShmTransport(Transport):
     name = "shm"
+    owner_sleeps_on_futex = True  # peers' stores come with a futex wake
 
     def create_region(self, size: int) -> ShmLocalRegion:
         remove_orphans()
         handle = RegionHandle(self.name, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}", size)
-        return ShmLocalRegion(map_shm(handle, create=True))
+        return ShmLocalRegion(map_shm(handle, create=True), self.owner_sleeps_on_futex)
 
     def connect(self, handle: RegionHandle) -> MappedRemoteRegion:
         self._check_backend(handle)

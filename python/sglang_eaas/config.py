@@ -14,6 +14,8 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sglang_eaas import transports
+
 
 @dataclass(frozen=True)
 class LocalServers:
@@ -63,18 +65,20 @@ class EaasConfig:
     expert_servers: LocalServers | RemoteServers | None = None  # None: local:2 or the placement
     placement: Path | None = None
     token: str | None = field(default=None, repr=False)  # else SGLANG_EAAS_TOKEN
+    transport: str = transports.AUTO
 
     def __reduce__(self):
-        return (_restore_in_worker, (self.expert_servers, self.placement, self.token))
+        return (_restore_in_worker,
+                (self.expert_servers, self.placement, self.token, self.transport))
 
 
 def _restore_in_worker(expert_servers: LocalServers | RemoteServers, placement: Path | None,
-                       token: str | None) -> EaasConfig:
+                       token: str | None, transport: str) -> EaasConfig:
     """Unpickle hook: a worker process only gets an EaasConfig if the plugin is active in it."""
     from sglang_eaas import plugin
 
     plugin.ensure_active_in_process()
-    return EaasConfig(expert_servers, placement, token)
+    return EaasConfig(expert_servers, placement, token, transport)
 
 
 class _EnableEaas(argparse.Action):
@@ -128,6 +132,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "SGLANG_EAAS_TOKEN environment variable, which keeps it off the command line; "
         "generated when local servers are spawned and none is set).",
     )
+    group.add_argument(
+        "--eaas-transport",
+        default=None,
+        choices=transports.CHOICES,
+        help="How this server reaches the expert servers' slots: " + transports.HELP + "take "
+        "what each server offers, and start local servers with 'shm' (default: auto).",
+    )
 
 
 def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
@@ -139,7 +150,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
     if not getattr(args, "eaas", False):
         given = [
             f"--{name.replace('_', '-')}"
-            for name in ("eaas_expert_servers", "eaas_placement", "eaas_token")
+            for name in ("eaas_expert_servers", "eaas_placement", "eaas_token", "eaas_transport")
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -148,7 +159,8 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
     if getattr(args, "ep_size", 1) > 1 or getattr(args, "moe_a2a_backend", "none") != "none":
         raise ValueError("--eaas replaces expert parallelism: drop --ep/--moe-a2a-backend "
                          "(attention keeps --tp)")
-    return EaasConfig(args.eaas_expert_servers, args.eaas_placement, args.eaas_token)
+    return EaasConfig(args.eaas_expert_servers, args.eaas_placement, args.eaas_token,
+                      args.eaas_transport or transports.AUTO)
 
 
 def current() -> EaasConfig | None:

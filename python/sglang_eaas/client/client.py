@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ibgda import TransportError
+from sglang_eaas import transports
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import ExpertRouting, PlacementError
 from sglang_eaas.protocol.slot import DTYPES_BY_NAME
-from sglang_eaas.transport import TransportError
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
 
@@ -19,13 +20,14 @@ class EaasClient:
 
     def __init__(self, addresses: list[str], info: MoeModelInfo, dtype: torch.dtype, name: str,
                  expected_experts: dict[str, list[int]] | None = None,
-                 result_timeout: float = 120.0):
+                 result_timeout: float = 120.0, transport: str = transports.AUTO):
         self.info, self.result_timeout = info, result_timeout
         self.connections: list[ServerConnection] = []
         try:
             for address in addresses:
                 self.connections.append(
-                    ServerConnection(address, name, info.fingerprint(), DTYPE_NAMES[dtype]))
+                    ServerConnection(address, name, info.fingerprint(), DTYPE_NAMES[dtype],
+                                     transport=transport))
             for conn in self.connections:
                 if expected_experts is not None and conn.experts != expected_experts[conn.address]:
                     raise PlacementError(

@@ -5,18 +5,19 @@ from __future__ import annotations
 import json
 import socket
 
-from sglang_eaas import envs
+from ibgda import RegionHandle, TransportError, create_transport
+from sglang_eaas import envs, transports
 from sglang_eaas.protocol.header import DType
 from sglang_eaas.protocol.layout import SlotLayout
 from sglang_eaas.protocol.slot import ClientSlot
-from sglang_eaas.transport import RegionHandle, TransportError, create_transport
 
 
 class ServerConnection:
     """Joins on construction; the slot stays ours while the control socket is open."""
 
     def __init__(self, address: str, client_name: str, fingerprint: str, dtype: str,
-                 token: str | None = None, timeout: float = 30.0):
+                 token: str | None = None, transport: str = transports.AUTO,
+                 timeout: float = 30.0):
         """Join in two steps: ``join`` reserves a slot, ``ready`` (sent once the region is
         mapped here) makes the server poll it; a failure in between frees the slot."""
         self.address, self.token = address, envs.TOKEN.get() if token is None else token
@@ -27,11 +28,11 @@ class ServerConnection:
             raise TransportError(f"expert server {address} is unreachable: {exc}") from exc
         self._file = self._sock.makefile("rwb")
         reply = self._call({"op": "join", "client": client_name, "fingerprint": fingerprint,
-                            "dtype": dtype})
+                            "dtype": dtype, "transport": transport})
         if not reply.get("ok"):
             self.close()
             raise TransportError(f"expert server {address} refused to join: {reply.get('error')}")
-        handle = RegionHandle(**reply["region"])
+        handle = RegionHandle.from_dict(reply["region"])
         layout = reply["layout"]
         self.layout = SlotLayout(layout["max_tokens"], layout["hidden_size"], layout["top_k"],
                                  DType(layout["dtype"]))

@@ -16,14 +16,17 @@ import secrets
 import socket
 from typing import Any, Callable
 
-from sglang_eaas import envs
+from ibgda import TransportError
+from sglang_eaas import envs, transports
 from sglang_eaas.client.local_servers import start_local_servers
 from sglang_eaas.config import EaasConfig, LocalServers, RemoteServers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import (
-    ExpertRouting, PlacementError, even_placement, load_placement_file,
+    ExpertRouting,
+    PlacementError,
+    even_placement,
+    load_placement_file,
 )
-from sglang_eaas.transport import TransportError
 
 logger = logging.getLogger(__name__)
 DEFAULT_LOCAL = LocalServers(2)
@@ -71,9 +74,12 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
             os.environ[envs.TOKEN.name] = secrets.token_hex(16)
         logger.info("sglang-eaas: starting %d local expert servers: %s", len(placements),
                     placements)
-        local = start_local_servers(model_path, placements, dtype, max(8, num_ranks))
+        backend = "shm" if cfg.transport == transports.AUTO else cfg.transport
+        local = start_local_servers(model_path, placements, dtype, max(8, num_ranks),
+                                    extra_args=("--transport", backend))
         atexit.register(lambda: [s.stop() for s in local])
-        return EaasConfig(RemoteServers(tuple(s.address for s in local)), token=cfg.token)
+        return EaasConfig(RemoteServers(tuple(s.address for s in local)), token=cfg.token,
+                          transport=backend)
     if not envs.TOKEN.get():
         raise TransportError(f"expert servers started separately need their shared token: set "
                              f"{envs.TOKEN.name} or pass --eaas-token")
@@ -88,7 +94,7 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
                                  f"{cfg.placement} says {planned[address]}")
         held.append(stats["experts"])
     ExpertRouting(held, info.num_experts)
-    return EaasConfig(servers, cfg.placement, cfg.token)
+    return EaasConfig(servers, cfg.placement, cfg.token, cfg.transport)
 
 
 def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **kwargs):

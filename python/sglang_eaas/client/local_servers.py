@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ibgda import TransportError
 from sglang_eaas.tools.server_process import free_port
-from sglang_eaas.transport import TransportError
 
 _PR_SET_PDEATHSIG = 1
 

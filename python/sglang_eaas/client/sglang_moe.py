@@ -37,10 +37,11 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
         name = f"{socket.gethostname()}:{os.getpid()}"
         _client = EaasClient(list(cfg.expert_servers.addresses),
                              MoeModelInfo.from_model_path(server_args.model_path), dtype, name,
-                             expected_experts=expected)
+                             expected_experts=expected, transport=cfg.transport)
         atexit.register(_client.close)
-        logger.info("sglang-eaas: %s joined expert servers %s", name,
-                    ", ".join(cfg.expert_servers.addresses))
+        logger.info("sglang-eaas: %s joined expert servers %s over %s", name,
+                    ", ".join(cfg.expert_servers.addresses),
+                    ", ".join(sorted({c.region.handle.backend for c in _client.connections})))
     return _client
 
 

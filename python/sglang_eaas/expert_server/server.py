@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from sglang_eaas import transports
 from sglang_eaas.expert_server.compute import local_experts, weighted_expert_sum
 from sglang_eaas.expert_server.control import ControlServer
 from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
@@ -19,7 +20,6 @@ from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RegionLayout, SlotLayout, SlotState
 from sglang_eaas.protocol.header import HeaderError, RejectReason, RequestHeader
 from sglang_eaas.protocol.slot import DTYPE_CODES, DTYPES_BY_NAME, ServerSlot
-from sglang_eaas.transport import create_transport
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class ExpertServerConfig:
     port: int = 0
     token: str = ""  # shared secret clients must present on the control endpoint
     dtype: str = "auto"  # weights dtype; "auto" = the checkpoint's
-    transport: str = "shm"
+    transport: str = "auto"  # an ibgda backend, or auto (sglang_eaas.transports)
     max_clients: int = 8
     max_tokens: int = 2048  # per request; clients split larger batches
     min_batch_tokens: int = 1
@@ -62,7 +62,8 @@ class ExpertServer:
             config.model_path, self.info, list(config.experts), self.dtype)
         self.region_layout = RegionLayout.for_requests(
             config.max_clients, config.max_tokens, self.info.hidden_size, self.info.top_k)
-        self.transport = create_transport(config.transport)
+        self.transport = transports.create_server_transport(
+            transports.server_backend(config.transport, config.host), config.host)
         self.region = self.transport.create_region(self.region_layout.size)
         for index in range(config.max_clients):
             self.region.store_flag(self.region_layout.base(index), SlotState.OFFLINE)
@@ -89,6 +90,12 @@ class ExpertServer:
                 f"expert server {self.address} serves {self.config.model_path} "
                 f"({self.info.model_type}, {self.info.num_experts} experts, hidden "
                 f"{self.info.hidden_size}), which does not match the client's model")}, None
+        wanted = message.get("transport", transports.AUTO)
+        if wanted not in (transports.AUTO, self.transport.name):
+            return {"ok": False, "error": (
+                f"expert server {self.address} offers transport {self.transport.name!r}, the "
+                f"client asked for {wanted!r}; start the server with --transport {wanted} or "
+                f"the client with --eaas-transport {self.transport.name} (or auto)")}, None
         dtype = DTYPES_BY_NAME.get(message.get("dtype", ""))
         if dtype is None:
             return {"ok": False, "error": f"unsupported dtype {message.get('dtype')!r}"}, None
@@ -104,10 +111,9 @@ class ExpertServer:
         layout = SlotLayout(self.config.max_tokens, self.info.hidden_size, self.info.top_k,
                             DTYPE_CODES[dtype])
         slot = ServerSlot(self.region, self.region_layout.base(index), layout)
-        h = self.region.handle
         return {
             "ok": True, "slot": index, "base": slot.base, "bell": self.region_layout.bell,
-            "region": {"backend": h.backend, "name": h.name, "size": h.size},
+            "region": self.region.handle.to_dict(),
             "layout": {"max_tokens": layout.max_tokens, "hidden_size": layout.hidden_size,
                        "top_k": layout.top_k, "dtype": int(layout.dtype)},
             "experts": list(self.config.experts), "moe_layers": list(self.info.moe_layers),

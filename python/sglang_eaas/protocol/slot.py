@@ -1,23 +1,23 @@
 """The two ends of one slot: ``ClientSlot`` (requests in, results out) and ``ServerSlot``.
 
-Both work on a ``Region`` from any transport; the ordering rule is always the same: payload,
-then header, then the flag (release); the reader loads the flag (acquire), then the header.
-After publishing, the writer rings the reader's doorbell (a u32 the reader can sleep on):
-the server's region-wide bell for a request, the slot's own bell for a result.
+The slot lives in the server's memory. The server sees it as an ``ibgda.LocalRegion``; the
+client reaches it one-sidedly through an ``ibgda.RemoteRegion`` of any backend. The ordering
+rule is always the same: payload and header, then the flag (release); the reader loads the
+flag (acquire), then the header. After publishing, the writer rings the reader's doorbell (a
+u32 the reader can sleep on, on backends with wake-ups): the server's region-wide bell for a
+request, the slot's own bell for a result.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from ibgda import LocalRegion, RemoteRegion
 from sglang_eaas.protocol.flags import Actor, ProtocolError, SlotState, check_transition
 from sglang_eaas.protocol.header import (
     HEADER_BYTES, DType, HeaderError, RejectReason, RequestHeader, ResultHeader, ResultStatus,
 )
 from sglang_eaas.protocol.layout import SlotLayout
-from sglang_eaas.transport.base import Region
 
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16,
                 DType.FLOAT16: torch.float16}
@@ -26,8 +26,94 @@ DTYPE_CODES = {v: k for k, v in TORCH_DTYPES.items()}
 DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class _Slot:
-    def __init__(self, region: Region, base: int, layout: SlotLayout):
+class ClientSlot:
+    """The client's side: only it writes requests and reads results.
+
+    It mirrors the flag locally (only the server moves it, and only from CLIENT_WRITE_DONE to
+    SERVER_DONE, which ``wait`` observes), so sending costs no remote read.
+    """
+
+    def __init__(self, region: RemoteRegion, base: int, layout: SlotLayout, server_bell: int):
+        self.region, self.base, self.layout = region, base, layout
+        self.server_bell, self.seq = server_bell, 0
+        self.dtype = TORCH_DTYPES[layout.dtype]
+        self.state = SlotState.EMPTY
+        self._tokens = 0
+        self._inbox = torch.empty(0, dtype=torch.uint8)  # result header + result, grown on use
+
+    def _move(self, new: SlotState) -> None:
+        check_transition(Actor.CLIENT, self.state, new)
+        self.state = new
+
+    def send(self, layer_id: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+             router_weights: torch.Tensor) -> None:
+        """Publish a request: payload and header, then CLIENT_WRITE_DONE, in one put.
+
+        Args:
+            hidden: ``[T, hidden_size]``, ``T <= max_tokens`` (cast to the slot dtype).
+            expert_ids: ``[T, top_k]`` integer global expert ids, -1 where not for this server.
+            router_weights: ``[T, top_k]`` float router weights.
+        """
+        layout, tokens = self.layout, hidden.shape[0]
+        if tokens > layout.max_tokens or tuple(expert_ids.shape) != (tokens, layout.top_k):
+            raise ProtocolError(f"request of {tokens} tokens does not fit slot {layout}")
+        check_transition(Actor.CLIENT, self.state, SlotState.CLIENT_WRITE_DONE)
+        self.seq += 1
+        header = RequestHeader(layer_id, tokens, layout.top_k, layout.hidden_size, layout.dtype,
+                               self.seq, layout.payload_bytes(tokens))
+        base = self.base
+        self.region.put_signal([
+            (base + layout.hidden, hidden.to(self.dtype)),
+            (base + layout.expert_ids, expert_ids.to(torch.int32)),
+            (base + layout.router_weights, router_weights.to(torch.float32)),
+            (base + layout.request_header, torch.frombuffer(bytearray(header.pack()),
+                                                            dtype=torch.uint8)),
+        ], base + layout.flag, SlotState.CLIENT_WRITE_DONE)
+        self.state, self._tokens = SlotState.CLIENT_WRITE_DONE, tokens
+        self.region.notify(self.server_bell)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until the server published (True) or ``timeout`` seconds passed (False)."""
+        if self.state == SlotState.CLIENT_WRITE_DONE and self.region.wait_flag(
+                self.base + self.layout.flag, SlotState.SERVER_DONE, timeout,
+                self.base + self.layout.bell):
+            self.state = SlotState.SERVER_DONE
+        return self.state == SlotState.SERVER_DONE
+
+    def result(self) -> torch.Tensor:
+        """The ``[T, hidden_size]`` result of the last request, read in one go after ``wait``;
+        valid until the next ``result``.
+
+        Raises ``ProtocolError`` if the server rejected the request or answered another one.
+        """
+        if self.state != SlotState.SERVER_DONE:
+            raise ProtocolError("result read before the server published it")
+        h = self.layout.hidden_size
+        nbytes = HEADER_BYTES + self._tokens * h * self.dtype.itemsize
+        if self._inbox.numel() < nbytes:
+            self._inbox = torch.empty(nbytes, dtype=torch.uint8)
+        inbox = self._inbox[:nbytes]
+        # The result payload follows its header directly (SlotLayout): one read for both.
+        self.region.read(self.base + self.layout.result_header, inbox)
+        header = ResultHeader.unpack(inbox[:HEADER_BYTES].numpy().tobytes())
+        if header.status != ResultStatus.OK:
+            raise ProtocolError(f"server rejected request {self.seq}: {header.reason.name}")
+        if header.seq != self.seq or header.num_tokens != self._tokens:
+            raise ProtocolError(f"result is for request {header.seq} of {header.num_tokens} "
+                                f"tokens, expected {self.seq} of {self._tokens}")
+        return inbox[HEADER_BYTES:].view(self.dtype).view(self._tokens, h)
+
+    def leave(self) -> None:
+        """Mark the slot OFFLINE (orderly close); waits for no one."""
+        if self.state in (SlotState.EMPTY, SlotState.SERVER_DONE):
+            self._move(SlotState.OFFLINE)
+            self.region.store_flag(self.base + self.layout.flag, SlotState.OFFLINE)
+
+
+class ServerSlot:
+    """The server's side: it reads requests, writes results and never initiates anything."""
+
+    def __init__(self, region: LocalRegion, base: int, layout: SlotLayout):
         self.region, self.base, self.layout = region, base, layout
         self.dtype = TORCH_DTYPES[layout.dtype]
         # Zero-copy views of the payload sections at full capacity; requests use a prefix.
@@ -36,92 +122,18 @@ class _Slot:
         self._expert_ids = self._tensor(layout.expert_ids, torch.int32, (rows, k))
         self._router_weights = self._tensor(layout.router_weights, torch.float32, (rows, k))
         self._result = self._tensor(layout.result, self.dtype, (rows, h))
+        self.last_seq = 0
+
+    def _tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        return self.region.view(self.base + offset, nbytes).view(dtype).view(shape)
 
     def state(self) -> int:
         return self.region.load_flag(self.base + self.layout.flag)
 
-    def _move(self, actor: Actor, new: SlotState) -> None:
-        check_transition(actor, self.state(), new)
+    def _move(self, new: SlotState) -> None:
+        check_transition(Actor.SERVER, self.state(), new)
         self.region.store_flag(self.base + self.layout.flag, new)
-
-    def _tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
-        return self.region.view(self.base + offset, nbytes).view(dtype).view(shape)
-
-
-class ClientSlot(_Slot):
-    """The client's side: only it writes requests and reads results."""
-
-    def __init__(self, region: Region, base: int, layout: SlotLayout, server_bell: int):
-        super().__init__(region, base, layout)
-        self.server_bell, self.seq = server_bell, 0
-
-    def send(self, layer_id: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-             router_weights: torch.Tensor) -> None:
-        """Publish a request.
-
-        Args:
-            hidden: ``[T, hidden_size]`` in the slot dtype, ``T <= max_tokens``.
-            expert_ids: ``[T, top_k]`` integer global expert ids, -1 where not for this server.
-            router_weights: ``[T, top_k]`` float router weights.
-        """
-        layout, tokens = self.layout, hidden.shape[0]
-        if tokens > layout.max_tokens or tuple(expert_ids.shape) != (tokens, layout.top_k):
-            raise ProtocolError(f"request of {tokens} tokens does not fit slot {layout}")
-        check_transition(Actor.CLIENT, self.state(), SlotState.CLIENT_WRITE_DONE)
-        self.seq += 1
-        self._hidden[:tokens].copy_(hidden)
-        self._expert_ids[:tokens].copy_(expert_ids)
-        self._router_weights[:tokens].copy_(router_weights)
-        header = RequestHeader(layer_id, tokens, layout.top_k, layout.hidden_size, layout.dtype,
-                               self.seq, layout.payload_bytes(tokens))
-        self.region.write(self.base + layout.request_header, header.pack())
-        self._move(Actor.CLIENT, SlotState.CLIENT_WRITE_DONE)
-        self.region.ring(self.server_bell)
-
-    def done(self) -> bool:
-        return self.state() == SlotState.SERVER_DONE
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep until the server published (True) or ``timeout`` seconds passed (False)."""
-        bell, deadline = self.base + self.layout.bell, time.monotonic() + timeout
-        while True:
-            seen = self.region.load_word(bell)
-            if self.done():
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            # Bounded sleeps: a wake-up lost to store/load reordering costs at most 10 ms.
-            self.region.wait_word(bell, seen, min(left, 0.01))
-
-    def result(self) -> torch.Tensor:
-        """The ``[T, hidden_size]`` result of the last request, once ``done()``; zero-copy view.
-
-        Raises ``ProtocolError`` if the server rejected the request or answered another one.
-        """
-        if not self.done():
-            raise ProtocolError("result read before the server published it")
-        header = ResultHeader.unpack(
-            self.region.read(self.base + self.layout.result_header, HEADER_BYTES))
-        if header.status != ResultStatus.OK:
-            raise ProtocolError(f"server rejected request {self.seq}: {header.reason.name}")
-        if header.seq != self.seq:
-            raise ProtocolError(f"result is for request {header.seq}, expected {self.seq}")
-        return self._result[: header.num_tokens]
-
-    def leave(self) -> None:
-        """Mark the slot OFFLINE (orderly close); waits for no one."""
-        if self.state() in (SlotState.EMPTY, SlotState.SERVER_DONE):
-            self._move(Actor.CLIENT, SlotState.OFFLINE)
-
-
-class ServerSlot(_Slot):
-    """The server's side: it reads requests, writes results and never initiates anything."""
-
-    def __init__(self, region: Region, base: int, layout: SlotLayout):
-        super().__init__(region, base, layout)
-        self.last_seq = 0
 
     def ready(self) -> bool:
         return self.state() == SlotState.CLIENT_WRITE_DONE
@@ -133,7 +145,7 @@ class ServerSlot(_Slot):
         """
         layout = self.layout
         header = RequestHeader.unpack(
-            self.region.read(self.base + layout.request_header, HEADER_BYTES))
+            self.region.view(self.base + layout.request_header, HEADER_BYTES).numpy().tobytes())
         if header.seq <= self.last_seq:
             raise HeaderError(RejectReason.STALE_SEQUENCE,
                               f"sequence {header.seq} after {self.last_seq}")
@@ -152,24 +164,26 @@ class ServerSlot(_Slot):
 
     def publish(self, seq: int, num_tokens: int) -> None:
         """The result is in ``result_buffer``: write its header, then SERVER_DONE."""
-        self.region.write(self.base + self.layout.result_header,
-                          ResultHeader(ResultStatus.OK, seq, num_tokens).pack())
-        self._move(Actor.SERVER, SlotState.SERVER_DONE)
-        self.region.ring(self.base + self.layout.bell)
+        self._answer(ResultHeader(ResultStatus.OK, seq, num_tokens))
 
     def reject(self, reason: RejectReason) -> None:
         """Answer a request that must not be computed; the client raises on reading it."""
-        self.region.write(self.base + self.layout.result_header,
-                          ResultHeader(ResultStatus.REJECTED, self.last_seq, 0, reason).pack())
-        self._move(Actor.SERVER, SlotState.SERVER_DONE)
-        self.region.ring(self.base + self.layout.bell)
+        self._answer(ResultHeader(ResultStatus.REJECTED, self.last_seq, 0, reason))
+
+    def _answer(self, header: ResultHeader) -> None:
+        """Header, then SERVER_DONE (release), then the client's doorbell."""
+        packed = header.pack()
+        self.region.view(self.base + self.layout.result_header, len(packed)).copy_(
+            torch.frombuffer(bytearray(packed), dtype=torch.uint8))
+        self._move(SlotState.SERVER_DONE)
+        self.region.notify(self.base + self.layout.bell)
 
     def open(self) -> None:
         """Hand the (OFFLINE) slot to a newly joined client."""
         self.last_seq = 0
-        self._move(Actor.SERVER, SlotState.EMPTY)
+        self._move(SlotState.EMPTY)
 
     def reclaim(self) -> None:
         """The owning client is gone: OFFLINE, whatever the slot held."""
         if self.state() != SlotState.OFFLINE:
-            self._move(Actor.SERVER, SlotState.OFFLINE)
+            self._move(SlotState.OFFLINE)

@@ -1,0 +1,126 @@
+"""``device``: the client's one-sided ops are kernels (``ibgda.kernels``), not host code.
+
+A dispatch is one ``put_signal`` launch (payload sections, then the flag, release), a wait is one
+``wait_flag`` launch (acquire-poll), a read one ``read`` launch: nothing on the host between
+them, so a decode step built from them can be captured in a CUDA graph.
+
+Where the memory lives:
+  * GPU hosts: region memory is device memory shared over CUDA IPC within a node and NVSHMEM
+    across nodes. The native sources for that (``ibgda/csrc/device``) are compiled in CI but have
+    never run, and this Python backend does not drive them yet: it refuses to start on CUDA.
+  * CPU (the twin every test drives): ``TRITON_INTERPRET=1`` runs the same Triton kernels on
+    ``/dev/shm`` tensors shared across processes.
+
+The owner of a region cannot be woken by a kernel's store, so it polls (like ``mooncake``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Sequence
+
+import torch
+
+from ibgda.backends.shm import ShmTransport, map_shm
+from ibgda.host_memory import HostMemory
+from ibgda.region import RegionHandle, RemoteRegion, TransportError, Write, as_bytes, check_bounds
+
+WAIT_SPINS = 64  # polls per wait launch; the host relaunches until its timeout
+
+
+def _kernels():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise TransportError(
+            "the device transport runs its kernels on a CUDA GPU (not wired up yet, see "
+            "docs/ibgda.md) or, on a CPU, under the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before starting the process")
+    try:
+        from ibgda import kernels
+    except ImportError as exc:
+        raise TransportError(f"the device transport needs triton: {exc}") from exc
+    return kernels
+
+
+class DeviceRemoteRegion(RemoteRegion):
+    """A peer's region whose every access is a kernel launch."""
+
+    def __init__(self, memory: HostMemory):
+        self.kernels = _kernels()
+        self.memory, self.handle = memory, memory.handle
+        self.bytes = memory.bytes
+        self.words = memory.bytes[: memory.handle.size // 4 * 4].view(torch.int32)
+        self.arrivals = torch.zeros(1, dtype=torch.int32)  # last-program-arrives counter
+        self.status = torch.zeros(2, dtype=torch.int32)  # [reached, last value seen]
+
+    def _flag_word(self, offset: int) -> int:
+        check_bounds(self.handle, offset, 4)
+        if offset % 4:
+            raise ValueError(f"device flags are u32 words: offset {offset} is not 4-aligned")
+        return offset // 4
+
+    def put_signal(self, writes: Sequence[Write], flag_offset: int | None, value: int) -> None:
+        """One launch: every section, then (unless ``flag_offset`` is None) the flag."""
+        k = self.kernels
+        if len(writes) > k.MAX_SECTIONS:
+            raise ValueError(f"at most {k.MAX_SECTIONS} sections per put_signal")
+        sections = []
+        for offset, data in writes:
+            src = as_bytes(data)
+            check_bounds(self.handle, offset, src.numel())
+            sections += [src, offset, src.numel()]
+        sections += [self.arrivals, 0, 0] * (k.MAX_SECTIONS - len(writes))
+        flag_word = 0 if flag_offset is None else self._flag_word(flag_offset)
+        longest = max((n for n in sections[2::3]), default=0)
+        k.put_signal_kernel[k.grid_for(longest)](
+            self.bytes, self.words, self.arrivals, *sections, flag_word, value,
+            HAS_FLAG=flag_offset is not None, BLOCK=k.BLOCK)
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        self.put_signal([(offset, data)], None, 0)
+
+    def store_flag(self, offset: int, value: int) -> None:
+        self.put_signal([], offset, value)
+
+    def load_flag(self, offset: int) -> int:
+        self.kernels.wait_flag_kernel[(1,)](self.words, self._flag_word(offset), -1,
+                                            self.status, 0)
+        return int(self.status[1].item())
+
+    def wait_flag(self, offset: int, value: int, timeout: float, bell: int | None = None) -> bool:
+        k, word = self.kernels, self._flag_word(offset)
+        deadline = time.monotonic() + timeout
+        while True:
+            k.wait_flag_kernel[(1,)](self.words, word, value, self.status, WAIT_SPINS)
+            if self.status[0].item() or time.monotonic() >= deadline:
+                return bool(self.status[0].item())
+
+    def read(self, offset: int, out: torch.Tensor) -> None:
+        if not out.is_contiguous():
+            raise ValueError("read() needs a contiguous output tensor")
+        dst = as_bytes(out)
+        check_bounds(self.handle, offset, dst.numel())
+        k = self.kernels
+        k.read_kernel[k.grid_for(dst.numel())](dst, self.bytes, offset, dst.numel(),
+                                              BLOCK=k.BLOCK)
+
+    def close(self) -> None:
+        del self.bytes, self.words
+        self.memory.release()
+
+
+class DeviceTransport(ShmTransport):
+    """Regions live in ``/dev/shm`` (the CPU twin of device memory); clients use kernels."""
+
+    name = "device"
+    owner_sleeps_on_futex = False  # a kernel's store cannot wake a futex: the owner polls
+
+    def __init__(self):
+        if torch.cuda.is_available():
+            raise TransportError(
+                "the device transport's GPU path (CUDA IPC / NVSHMEM, ibgda/csrc/device) is "
+                "compiled but not wired up; use --eaas-transport shm or mooncake on GPU hosts")
+
+    def connect(self, handle: RegionHandle) -> DeviceRemoteRegion:
+        self._check_backend(handle)
+        return DeviceRemoteRegion(map_shm(handle, create=False))

@@ -1,0 +1,20 @@
+"""The ibgda backends every transport-level test runs over, and how to get each on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+import ibgda
+
+BACKENDS = list(ibgda.BACKENDS)  # shm, mooncake, device: all must work on this machine
+
+
+def backend_transport(name: str, monkeypatch: pytest.MonkeyPatch) -> ibgda.Transport:
+    """The backend ``name``; ``device`` runs its kernels under the Triton interpreter.
+
+    ``TRITON_INTERPRET`` is set for this test only, so servers that later tests start do not
+    inherit it (the kernels stay interpreted once imported).
+    """
+    if name == "device":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return ibgda.create_transport(name)
