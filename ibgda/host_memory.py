@@ -129,9 +129,12 @@ class MappedRemoteRegion(RemoteRegion):
     def notify(self, offset: int) -> None:
         self.memory.notify(offset)
 
-    def wait_flag(self, offset: int, value: int, timeout: float, bell: int | None = None) -> bool:
+    def wait_flag(self, offset: int, value: int, timeout: float, bell: int | None = None,
+                  spin: float = 0.0) -> bool:
         if bell is None:
-            return super().wait_flag(offset, value, timeout, bell)
+            return super().wait_flag(offset, value, timeout, bell, spin)
+        if self._spin(offset, value, min(spin, timeout)):
+            return True
         deadline = time.monotonic() + timeout
         while True:
             seen = self.memory.load_word(bell)

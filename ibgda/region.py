@@ -138,12 +138,16 @@ class RemoteRegion(abc.ABC):
     def notify(self, offset: int) -> None:
         """Ring the peer's doorbell u32 at ``offset`` (no-op where peers poll instead)."""
 
-    def wait_flag(self, offset: int, value: int, timeout: float, bell: int | None = None) -> bool:
+    def wait_flag(self, offset: int, value: int, timeout: float, bell: int | None = None,
+                  spin: float = 0.0) -> bool:
         """Acquire-poll the flag until it equals ``value`` (True) or ``timeout`` passes (False).
 
         ``bell`` names a doorbell u32 the peer rings after storing the flag, for backends that
-        can sleep on it; the others poll with a growing pause.
+        can sleep on it; the others poll with a growing pause. ``spin`` seconds of busy polling
+        come first: a core traded for the wake-up latency of a sleep.
         """
+        if self._spin(offset, value, min(spin, timeout)):
+            return True
         deadline, pause = time.monotonic() + timeout, 10e-6
         while self.load_flag(offset) != value:
             if time.monotonic() >= deadline:
@@ -151,6 +155,15 @@ class RemoteRegion(abc.ABC):
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         return True
+
+    def _spin(self, offset: int, value: int, seconds: float) -> bool:
+        """Busy-poll the flag for up to ``seconds``; True once it equals ``value``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            if self.load_flag(offset) == value:
+                return True
+            if time.monotonic() >= deadline:
+                return False
 
     @abc.abstractmethod
     def close(self) -> None:

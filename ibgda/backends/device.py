@@ -87,7 +87,10 @@ class DeviceRemoteRegion(RemoteRegion):
                                             self.status, 0)
         return int(self.status[1].item())
 
-    def wait_flag(self, offset: int, value: int, timeout: float, bell: int | None = None) -> bool:
+    def wait_flag(self, offset: int, value: int, timeout: float, bell: int | None = None,
+                  spin: float = 0.0) -> bool:
+        """The kernel itself spins (``WAIT_SPINS`` polls per launch); ``bell`` and ``spin`` have
+        no use here."""
         k, word = self.kernels, self._flag_word(offset)
         deadline = time.monotonic() + timeout
         while True:

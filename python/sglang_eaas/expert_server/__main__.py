@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None):
                    "before computing, up to --max-wait-us; default %(default)s")
     p.add_argument("--max-wait-us", type=int, default=0,
                    help="longest wait for --min-batch-tokens, in microseconds; default %(default)s")
+    p.add_argument("--poll-spin-us", type=int, default=0,
+                   help="after serving, busy-poll the slots this long before sleeping on the "
+                   "doorbell: lower latency for a core; default %(default)s")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (the server's whole CPU budget); default "
                    "%(default)s")
@@ -61,6 +64,9 @@ def parse_args(argv: list[str] | None = None):
     for flag in ("max_clients", "max_tokens", "min_batch_tokens", "threads"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("max_wait_us", "poll_spin_us"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0")
     try:
         info = MoeModelInfo.from_model_path(args.model_path)
         experts = parse_expert_list(args.experts, info.num_experts)
@@ -73,7 +79,7 @@ def parse_args(argv: list[str] | None = None):
         model_path=args.model_path, experts=tuple(experts), host=host, port=int(port), token=token,
         dtype=args.dtype, transport=args.transport, max_clients=args.max_clients,
         max_tokens=args.max_tokens, min_batch_tokens=args.min_batch_tokens,
-        max_wait_us=args.max_wait_us, threads=args.threads,
+        max_wait_us=args.max_wait_us, poll_spin_us=args.poll_spin_us, threads=args.threads,
     )
 
 

@@ -37,6 +37,7 @@ class ExpertServerConfig:
     max_tokens: int = 2048  # per request; clients split larger batches
     min_batch_tokens: int = 1
     max_wait_us: int = 0
+    poll_spin_us: int = 0  # busy-poll this long after the last request before sleeping
     threads: int = 1
 
 
@@ -188,13 +189,17 @@ class ExpertServer:
         return len(batch)
 
     def serve_forever(self) -> None:
-        """Serve until ``stop()``; between requests, sleep on the doorbell clients ring."""
+        """Serve until ``stop()``; between requests, sleep on the doorbell clients ring
+        (after ``poll_spin_us`` of busy polling)."""
         self.control.thread.start()
-        bell = self.region_layout.bell
+        bell, spin = self.region_layout.bell, self.config.poll_spin_us * 1e-6
+        busy_until = 0.0
         while not self._stop.is_set():
             seen = self.region.load_word(bell)
-            if not self.poll_once():
-                # Bounded: a wake-up lost to store/load reordering costs at most 10 ms.
+            if self.poll_once():
+                busy_until = time.perf_counter() + spin
+            elif time.perf_counter() >= busy_until:
+                # Bounded, so that stop() and clients that cannot ring are noticed.
                 self.region.wait_word(bell, seen, 0.01)
 
     def stop(self) -> None:

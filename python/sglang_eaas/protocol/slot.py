@@ -72,11 +72,12 @@ class ClientSlot:
         self.state, self._tokens = SlotState.CLIENT_WRITE_DONE, tokens
         self.region.notify(self.server_bell)
 
-    def wait(self, timeout: float) -> bool:
-        """Wait until the server published (True) or ``timeout`` seconds passed (False)."""
+    def wait(self, timeout: float, spin: float = 0.0) -> bool:
+        """Wait until the server published (True) or ``timeout`` seconds passed (False),
+        busy-polling for the first ``spin`` seconds."""
         if self.state == SlotState.CLIENT_WRITE_DONE and self.region.wait_flag(
                 self.base + self.layout.flag, SlotState.SERVER_DONE, timeout,
-                self.base + self.layout.bell):
+                self.base + self.layout.bell, spin):
             self.state = SlotState.SERVER_DONE
         return self.state == SlotState.SERVER_DONE
 
