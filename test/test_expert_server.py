@@ -11,6 +11,7 @@ import psutil
 import pytest
 import torch
 from conftest import model_path, open_log
+from ibgda_backends import BACKENDS, backend_transport
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.client.launch import probe
@@ -73,6 +74,35 @@ def test_results_match_sglang_moe(servers, info, tiny_qwen3, tokens):
         client.close()
     torch.testing.assert_close(out, _sglang_reference(tiny_qwen3, info, 1, x, ids, weights),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "shm"])
+def test_results_match_over_every_backend(backend, info, tiny_qwen3, monkeypatch):
+    """The same expert computation when the slots travel over Mooncake or the device kernels;
+    a client asking for another transport than the server offers is refused clearly."""
+    backend_transport(backend, monkeypatch)  # device: kernels under the interpreter here
+    (server,) = start_local_servers(tiny_qwen3, [list(range(info.num_experts))], "float32", 2,
+                                    extra_args=("--transport", backend),
+                                    stdout=open_log(f"expert-server-{backend}"))
+    try:
+        with pytest.raises(TransportError, match=f"offers transport '{backend}'"):
+            EaasClient([server.address], info, torch.float32, "shm-only", transport="shm")
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(3, info.hidden_size, generator=g)
+        ids = torch.stack([torch.randperm(info.num_experts, generator=g)[:2] for _ in range(3)])
+        weights = torch.rand(3, 2, generator=g)
+        client = EaasClient([server.address], info, torch.float32, backend, transport=backend)
+        try:
+            assert {c.region.handle.backend for c in client.connections} == {backend}
+            out = [client.forward(layer, x, ids, weights) for layer in (0, 1)]
+        finally:
+            client.close()
+    finally:
+        server.stop()
+    for layer in (0, 1):
+        torch.testing.assert_close(
+            out[layer], _sglang_reference(tiny_qwen3, info, layer, x, ids, weights),
+            rtol=1e-6, atol=1e-6)
 
 
 def _publish_corrupted(conn: ServerConnection, x, ids, weights) -> None:
