@@ -45,10 +45,13 @@ def open_log(name: str):
     return open(path, "w")
 
 
-def start_server(model: Path, *args: str, name: str) -> SGLangServer:
-    """A float32 CPU server on ``model``; its log goes to .cache/logs/test/NAME.log."""
+def start_server(model: Path, *args: str, name: str,
+                 env: dict[str, str] | None = None) -> SGLangServer:
+    """A float32 CPU server on ``model`` (``env`` added to this process's environment); its log
+    goes to .cache/logs/test/NAME.log."""
     log_path = CACHE / "logs" / "test" / f"{name}.log"
-    return SGLangServer(model, *CPU_ARGS, "--dtype", "float32", *args, log_path=log_path).start()
+    return SGLangServer(model, *CPU_ARGS, "--dtype", "float32", *args, log_path=log_path,
+                        env=env).start()
 
 
 @pytest.fixture(scope="session")

@@ -62,8 +62,9 @@ def test_mixtral(tiny_mixtral):
     assert "routed-expert parameters 0 bytes" in log
 
 
-def _run_eaas(model, *args: str, name: str) -> tuple[list[list[int]], str]:
-    server = start_server(model, "--eaas", *args, name=name)
+def _run_eaas(model, *args: str, name: str,
+              env: dict[str, str] | None = None) -> tuple[list[list[int]], str]:
+    server = start_server(model, "--eaas", *args, name=name, env=env)
     try:
         tokens = greedy_tokens(server)
         chat = server.chat("Tell me a story about a robot.", max_tokens=4)
@@ -102,6 +103,17 @@ def test_local_servers_match_monolithic(tiny_qwen3, expected, servers):
                             name=f"eaas-local{servers}")
     _check(expected, tokens, log)
     assert log.count("sglang-eaas expert server ready") == servers
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "device"])
+def test_transports_match_monolithic(tiny_qwen3, expected, transport):
+    """The same tokens when the slots travel over Mooncake (loopback TCP) or the device kernels
+    (under the Triton interpreter: the CPU twin of the GPU path)."""
+    env = {"TRITON_INTERPRET": "1"} if transport == "device" else None
+    tokens, log = _run_eaas(tiny_qwen3, "--eaas-expert-servers", "local:2", "--eaas-transport",
+                            transport, name=f"eaas-{transport}", env=env)
+    _check(expected, tokens, log)
+    assert f"over {transport}" in log  # every connection used it
 
 
 def test_uneven_placement_with_replicas(tiny_qwen3, expected, tmp_path):
