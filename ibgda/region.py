@@ -174,6 +174,7 @@ class Transport(abc.ABC):
     """Creates local regions and connects to peers' regions of one backend."""
 
     name: str
+    owner_sleeps_on_futex = False  # True where peers' stores come with a futex wake
 
     @abc.abstractmethod
     def create_region(self, size: int) -> LocalRegion:

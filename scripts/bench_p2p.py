@@ -40,14 +40,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import zmq
-
 from sglang_eaas.client.local_servers import die_with_parent
 from sglang_eaas.protocol.flags import SlotState
 from sglang_eaas.protocol.header import DType
 from sglang_eaas.protocol.layout import RegionLayout, SlotLayout
 from sglang_eaas.protocol.slot import ClientSlot, ServerSlot
 from sglang_eaas.tools.server_process import free_port
-from sglang_eaas.transport import Region, RegionHandle, create_transport
+
+from ibgda import LocalRegion, RegionHandle, RemoteRegion, create_transport
 
 HIDDEN = 7168
 DTYPE = torch.bfloat16
@@ -200,8 +200,17 @@ def memcpy_floor(link: Link, plan: Plan) -> dict[int, float]:
     return measure(link, plan, round_trip)
 
 
-def serve_echo(region: Region, bell: int, slots: list[ServerSlot], stop: Event) -> None:
-    """Answer every ready request with its own hidden states; sleep on the doorbell when idle."""
+# name -> (ibgda backend, seconds both ends busy-poll before sleeping)
+VARIANTS = {"shm": ("shm", 0.0), "shm-spin": ("shm", 2e-3), "mooncake": ("mooncake", 0.0),
+            "device": ("device", 0.0)}
+DEVICE_BATCH_SIZES = (1, 2, 4, 8)  # the device kernels run interpreted here: ms per launch
+
+
+def serve_echo(region: LocalRegion, bell: int, slots: list[ServerSlot], stop: Event,
+               spin: float) -> None:
+    """Answer every ready request with its own hidden states; when idle, busy-poll for
+    ``spin`` seconds, then sleep on the doorbell (as ExpertServer.serve_forever does)."""
+    busy_until = 0.0
     while True:
         seen = region.load_word(bell)
         served = 0
@@ -211,33 +220,39 @@ def serve_echo(region: Region, bell: int, slots: list[ServerSlot], stop: Event) 
                 slot.result_buffer(header.num_tokens).copy_(hidden)
                 slot.publish(header.seq, header.num_tokens)
                 served += 1
-        if not served:
-            if stop.is_set():
-                return
+        if served:
+            busy_until = time.perf_counter() + spin
+        elif stop.is_set():
+            return
+        elif time.perf_counter() >= busy_until:
             region.wait_word(bell, seen, 0.01)
 
 
-def shm_server(link: Link, num_clients: int) -> None:
+def slot_server(link: Link, num_clients: int, variant: str) -> None:
     """Create a region with one slot per client, report its handle, echo until stopped."""
+    backend, spin = VARIANTS[variant]
     layout = RegionLayout(num_clients, SLOT.size)
-    region = create_transport("shm").create_region(layout.size)
+    region = create_transport(backend).create_region(layout.size)
     try:
         slots = [ServerSlot(region, layout.base(i), SLOT) for i in range(num_clients)]
         for slot in slots:
             region.store_flag(slot.base + SLOT.flag, SlotState.OFFLINE)  # as a new server does
             slot.open()  # the client "joined": OFFLINE -> EMPTY
         link.report(region.handle)
-        serve_echo(region, layout.bell, slots, link.stop)
+        serve_echo(region, layout.bell, slots, link.stop, spin)
     finally:
         region.close()  # the creator unlinks the region from /dev/shm
 
 
-def shm_client(link: Link, handles: list[RegionHandle], index: int, num_clients: int,
-               plan: Plan, barrier: Barrier) -> dict[int, float]:
+def slot_client(link: Link, handles: list[RegionHandle], index: int, num_clients: int,
+                plan: Plan, barrier: Barrier, variant: str) -> dict[int, float]:
     """Slot ``index`` on every server: send to all of them, then wait for all of them."""
+    backend, spin = VARIANTS[variant]
+    if backend == "device":
+        os.environ["TRITON_INTERPRET"] = "1"  # the CPU twin of the device kernels
     layout = RegionLayout(num_clients, SLOT.size)
-    transport = create_transport("shm")
-    regions: list[Region] = []
+    transport = create_transport(backend)
+    regions: list[RemoteRegion] = []
     slots: list[ClientSlot] = []
 
     @functools.cache
@@ -249,7 +264,7 @@ def shm_client(link: Link, handles: list[RegionHandle], index: int, num_clients:
         for slot in slots:
             slot.send(0, x, expert_ids, router_weights)
         for slot in slots:
-            if not slot.wait(TIMEOUT):
+            if not slot.wait(TIMEOUT, spin):
                 raise TimeoutError(f"no answer within {TIMEOUT} s")
         return [slot.result() for slot in slots]
 
@@ -351,16 +366,17 @@ def run_memcpy(plan: Plan) -> dict[int, float]:
         return procs.get("memcpy")
 
 
-def run_shm(plan: Plan, clients: int, servers: int) -> dict[int, float]:
+def run_slots(plan: Plan, variant: str, clients: int, servers: int) -> dict[int, float]:
     """Medians of a clients x servers layout, per batch size the slowest client's."""
     with Processes(plan.threads) as procs:
-        tag = f"shm-{clients}x{servers}"
+        tag = f"{variant}-{clients}x{servers}"
         for s in range(servers):
-            procs.start(f"{tag}-server{s}", shm_server, clients)
+            procs.start(f"{tag}-server{s}", slot_server, clients, variant)
         handles = [procs.get(f"{tag}-server{s}") for s in range(servers)]
         barrier = procs.ctx.Barrier(clients)
         for c in range(clients):
-            procs.start(f"{tag}-client{c}", shm_client, handles, c, clients, plan, barrier)
+            procs.start(f"{tag}-client{c}", slot_client, handles, c, clients, plan, barrier,
+                        variant)
         per_client = [procs.get(f"{tag}-client{c}") for c in range(clients)]
     return {bs: max(medians[bs] for medians in per_client) for bs in plan.batch_sizes}
 
@@ -400,8 +416,23 @@ def main_table(plan: Plan, r: dict[str, dict[int, float]]) -> str:
     return "\n".join(lines)
 
 
+def backend_table(r: dict[str, dict[int, float]], variants: list[str]) -> str:
+    """Medians (us) of every backend, 1x1, with their ratios to memcpy and from zmq-tcp."""
+    header = ["bs", "memcpy us"] + [f"{v} us" for v in variants]
+    header += [f"{v}/memcpy" for v in variants] + [f"zmq-tcp/{v}" for v in variants]
+    lines = ["| " + " | ".join(header) + " |", "|---:" * len(header) + "|"]
+    for bs in r["memcpy"]:
+        got = [r[v].get(bs) for v in variants]
+        cells = [str(bs), f"{r['memcpy'][bs]:.1f}"]
+        cells += ["-" if g is None else f"{g:.1f}" for g in got]
+        cells += ["-" if g is None else ratio(g, r["memcpy"][bs]) for g in got]
+        cells += ["-" if g is None else ratio(r["zmq-tcp"][bs], g) for g in got]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def layout_table(plan: Plan, layouts: dict[str, dict[int, float]]) -> str:
-    """shm medians (us) per layout, each with its ratio to 1x1."""
+    """Medians (us) per layout, each with its ratio to 1x1."""
     names = list(layouts)
     header = ["bs", "1x1 us"] + [c for n in names[1:] for c in (f"{n} us", f"{n}/1x1")]
     lines = ["| " + " | ".join(header) + " |", "|---:" * len(header) + "|"]
@@ -447,6 +478,16 @@ def layouts_arg(text: str) -> list[tuple[int, int]]:
     return [layout for layout in dict.fromkeys(layouts) if layout != (1, 1)]
 
 
+def variants_arg(text: str) -> list[str]:
+    """``--backends``: comma-separated names out of VARIANTS; shm is always measured."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {unknown}; choose from "
+                                         f"{', '.join(VARIANTS)}")
+    return list(dict.fromkeys(["shm", *names]))
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -467,6 +508,12 @@ def parse_args() -> argparse.Namespace:
                         "besides 1x1 (always measured); each client sends to all its servers, "
                         "then waits for all; clients run concurrently; '' for none; "
                         "default 2x2,1x3")
+    parser.add_argument("--backends", type=variants_arg, default="shm,shm-spin,mooncake,device",
+                        help="slot-protocol variants to measure: 'shm' (sleep on futex "
+                        "doorbells), 'shm-spin' (both ends busy-poll 2 ms before sleeping), "
+                        "'mooncake' (Transfer Engine, loopback TCP), 'device' (Triton kernels "
+                        "under the CPU interpreter: batch sizes 1-8 and a tenth of the "
+                        "iterations only); default %(default)s")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads in every process; default 1")
     args = parser.parse_args()
@@ -483,12 +530,17 @@ def main() -> None:
     results: dict[str, dict[int, float]] = {}
     runs: dict[str, Callable[[], dict[int, float]]] = {
         "memcpy": functools.partial(run_memcpy, plan),
-        "shm": functools.partial(run_shm, plan, 1, 1),
         "zmq-ipc": functools.partial(run_zmq, plan, "ipc"),
         "zmq-tcp": functools.partial(run_zmq, plan, "tcp"),
         "gloo": functools.partial(run_gloo, plan),
     }
-    runs.update({f"{c}x{s}": functools.partial(run_shm, plan, c, s) for c, s in args.layouts})
+    runs["shm"] = functools.partial(run_slots, plan, "shm", 1, 1)
+    device_plan = Plan(tuple(b for b in plan.batch_sizes if b in DEVICE_BATCH_SIZES),
+                       max(1, plan.iterations // 10), min(plan.warmup, 2), plan.threads)
+    for variant in args.backends:
+        for c, s in [(1, 1)] + ([] if variant == "device" else args.layouts):
+            runs[variant if (c, s) == (1, 1) else f"{variant}-{c}x{s}"] = functools.partial(
+                run_slots, device_plan if variant == "device" else plan, variant, c, s)
     for name, run in runs.items():
         print(f"bench_p2p: measuring {name}", flush=True)
         results[name] = run()
@@ -497,10 +549,15 @@ def main() -> None:
     print(main_table(plan, results))
     if GOAL_BS in plan.batch_sizes:
         print(f"\n{goal_verdict(results)}")
-    layouts = {"1x1": results["shm"]}
-    layouts.update((f"{c}x{s}", results[f"{c}x{s}"]) for c, s in args.layouts)
-    if len(layouts) > 1:
-        print("\nshm layouts (clients x servers), slowest client's median in microseconds:\n")
+    print("\nEvery backend, 1 client x 1 server, medians in microseconds:\n")
+    print(backend_table(results, args.backends))
+    for variant in args.backends:
+        if variant == "device" or not args.layouts:
+            continue
+        layouts = {"1x1": results[variant]}
+        layouts.update((f"{c}x{s}", results[f"{variant}-{c}x{s}"]) for c, s in args.layouts)
+        print(f"\n{variant} layouts (clients x servers), slowest client's median in "
+              "microseconds:\n")
         print(layout_table(plan, layouts))
 
 

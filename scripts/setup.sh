@@ -26,6 +26,17 @@ else
   mode=cpu
 fi
 
+# Mooncake (ibgda's cross-host backend) loads Debian's libibverbs1 at import, RDMA or not.
+# Checked on every run: a cached venv may meet a fresh machine.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+  [[ $(id -u) == 0 ]] || die "Mooncake needs libibverbs1: run 'sudo apt-get install -y libibverbs1', then this again"
+  step "installing Debian's libibverbs1 (for Mooncake)"
+  apt_quiet() { DEBIAN_FRONTEND=noninteractive apt-get "$@" >/dev/null; }
+  apt_quiet install -y --no-install-recommends libibverbs1 \
+    || { apt_quiet update && apt_quiet install -y --no-install-recommends libibverbs1; } \
+    || die "could not install libibverbs1 with apt-get"
+fi
+
 stamp_file="$venv/.sglang-eaas-setup"
 stamp="$(cat "$root/setup.py" "$root/scripts/setup.sh" "$root/requirements/"*.txt | sha256sum | cut -d' ' -f1) $mode $("$python" -V 2>&1)"
 if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$stamp" ]]; then
@@ -42,19 +53,21 @@ pip_install() {
 }
 pip_install --upgrade pip
 if [[ $mode == cpu ]]; then
-  step "[1/5] torch 2.13.0 (CPU build)"
+  step "[1/6] torch 2.13.0 (CPU build)"
   pip_install "torch==2.13.0"
-  step "[2/5] sglang 0.5.23 without its CUDA kernel dependencies"
+  step "[2/6] sglang 0.5.23 without its CUDA kernel dependencies"
   pip_install --no-deps "sglang==0.5.23"
-  step "[3/5] SGLang's pure-Python runtime dependencies and triton (requirements/sglang-cpu.txt)"
+  step "[3/6] SGLang's pure-Python runtime dependencies and triton (requirements/sglang-cpu.txt)"
   pip_install -r "$root/requirements/sglang-cpu.txt"
-  step "[4/5] sglang-eaas (editable, with test extras)"
+  step "[4/6] Mooncake Transfer Engine, CPU build (requirements/ibgda-cpu.txt)"
+  pip_install -r "$root/requirements/ibgda-cpu.txt"
+  step "[5/6] sglang-eaas (editable, with test extras; builds ibgda's native module)"
   pip_install -e "$root[test]"
-  step "[5/5] CPU runtime start-up hook"
+  step "[6/6] CPU runtime start-up hook"
   "$venv/bin/python" -m sglang_eaas.cpu_runtime install
 else
-  step "[1/2] sglang 0.5.23 with its GPU stack"
-  pip_install "sglang==0.5.23"
+  step "[1/2] sglang 0.5.23 with its GPU stack, and Mooncake's CUDA build (untested)"
+  pip_install "sglang==0.5.23" mooncake-transfer-engine
   step "[2/2] sglang-eaas (editable, with test extras)"
   pip_install -e "$root[gpu,test]"
 fi
