@@ -5,9 +5,9 @@ A dispatch is one ``put_signal`` launch (payload sections, then the flag, releas
 them, so a decode step built from them can be captured in a CUDA graph.
 
 Where the memory lives:
-  * GPU hosts: region memory is device memory shared over CUDA IPC within a node and NVSHMEM
-    across nodes. The native sources for that (``ibgda/csrc/device``) are compiled in CI but have
-    never run, and this Python backend does not drive them yet: it refuses to start on CUDA.
+  * GPU hosts: region memory would be device memory shared over CUDA IPC within a node and
+    NVSHMEM across nodes. That native side is not written yet: the backend refuses to start on
+    CUDA rather than pretend.
   * CPU (the twin every test drives): ``TRITON_INTERPRET=1`` runs the same Triton kernels on
     ``/dev/shm`` tensors shared across processes.
 
@@ -32,9 +32,9 @@ WAIT_SPINS = 64  # polls per wait launch; the host relaunches until its timeout
 def _kernels():
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise TransportError(
-            "the device transport runs its kernels on a CUDA GPU (not wired up yet, see "
-            "docs/ibgda.md) or, on a CPU, under the Triton interpreter: set TRITON_INTERPRET=1 "
-            "before starting the process")
+            "the device transport runs its kernels under the Triton interpreter on a CPU (its "
+            "GPU side is not written yet, docs/ibgda.md): set TRITON_INTERPRET=1 before "
+            "starting the process")
     try:
         from ibgda import kernels
     except ImportError as exc:
@@ -121,8 +121,8 @@ class DeviceTransport(ShmTransport):
     def __init__(self):
         if torch.cuda.is_available():
             raise TransportError(
-                "the device transport's GPU path (CUDA IPC / NVSHMEM, ibgda/csrc/device) is "
-                "compiled but not wired up; use --eaas-transport shm or mooncake on GPU hosts")
+                "the device transport's GPU side (CUDA IPC / NVSHMEM) is not written yet; use "
+                "--eaas-transport shm or mooncake on GPU hosts")
 
     def connect(self, handle: RegionHandle) -> DeviceRemoteRegion:
         self._check_backend(handle)
