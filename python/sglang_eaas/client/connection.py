@@ -63,10 +63,15 @@ class ServerConnection:
         return self._call({"op": "stats"})["stats"]
 
     def close(self) -> None:
-        """Leave the slot (OFFLINE) and close the control connection."""
+        """Leave the slot (OFFLINE), wait for the server to take it back, close the control
+        connection. A server that is already gone needs no goodbye."""
         if getattr(self, "slot", None) is not None:
             self.slot.leave()
             self.slot = None
+            try:
+                self._call({"op": "leave"})
+            except (TransportError, ValueError):
+                pass
         if getattr(self, "region", None) is not None:
             self.region.close()
             self.region = None

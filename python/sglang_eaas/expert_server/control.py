@@ -9,9 +9,10 @@ the connection closed.
         "layout": {...}, "experts": [int], "moe_layers": [int]}  or  {"ok": false, "error": str}
     -> {"op": "ready"}   (the client mapped the region)   <- {"ok": true}: the slot is served
     -> {"op": "stats"}   <- {"ok": true, "stats": {...}}     (on any connection)
+    -> {"op": "leave"}   <- {"ok": true}: the slot is back in the pool when this arrives
 
-When the connection closes (client exit, crash or ``{"op": "leave"}``) at any step, the slot
-returns to the pool.
+When the connection closes at any step (client exit or crash), the slot returns to the pool
+too; ``leave`` only makes the return synchronous, so a client that closes knows it is done.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class _Handler(socketserver.StreamRequestHandler):
                         reply = {"ok": True, "stats": {**self.server.stats(),
                                                        "refused_connections": self.server.refused}}
                     elif op == "leave":
+                        if member is not None:
+                            member.release()
+                            member = None
+                        self._send({"ok": True})
                         break
                     else:
                         reply = {"ok": False, "error": f"unexpected op {op!r}"}
