@@ -13,7 +13,7 @@ setup(
     ext_modules=[Extension("ibgda._host_atomics", ["ibgda/csrc/host_atomics.c"],
                            extra_compile_args=["-std=c11", "-O2"])],
     # The CPU runtime's stand-in packages are plain folders put on sys.path, not subpackages.
-    package_data={"sglang_eaas.cpu_runtime": ["shims/*/*.py"]},
+    package_data={"sglang_eaas.cpu_runtime": ["shims/*/*.py"], "ibgda": ["csrc/device/*"]},
     python_requires=">=3.10",
     # SGLang is not a hard requirement: on a CPU-only machine scripts/setup.sh installs it with
     # --no-deps plus requirements/sglang-cpu.txt, because its pinned CUDA kernels cannot install there.

@@ -5,11 +5,10 @@ A dispatch is one ``put_signal`` launch (payload sections, then the flag, releas
 them, so a decode step built from them can be captured in a CUDA graph.
 
 Where the memory lives:
-  * GPU hosts: region memory would be device memory shared over CUDA IPC within a node and
-    NVSHMEM across nodes. That native side is not written yet: the backend refuses to start on
-    CUDA rather than pretend.
-  * CPU (the twin every test drives): ``TRITON_INTERPRET=1`` runs the same Triton kernels on
-    ``/dev/shm`` tensors shared across processes.
+  * GPU nodes (``ibgda.backends.device_cuda``, never run: no GPU here): device memory shared
+    over CUDA IPC, accessed by the native kernels of ``ibgda/csrc/device``.
+  * CPU (the twin every test drives): ``TRITON_INTERPRET=1`` runs the Triton kernels of
+    ``ibgda.kernels`` (the same algorithm) on ``/dev/shm`` tensors shared across processes.
 
 The owner of a region cannot be woken by a kernel's store, so it polls (like ``mooncake``).
 """
@@ -22,9 +21,12 @@ from typing import Sequence
 
 import torch
 
+from ibgda.backends import device_cuda
 from ibgda.backends.shm import ShmTransport, map_shm
 from ibgda.host_memory import HostMemory
-from ibgda.region import RegionHandle, RemoteRegion, TransportError, Write, as_bytes, check_bounds
+from ibgda.region import (
+    LocalRegion, RegionHandle, RemoteRegion, TransportError, Write, as_bytes, check_bounds,
+)
 
 WAIT_SPINS = 64  # polls per wait launch; the host relaunches until its timeout
 
@@ -32,9 +34,8 @@ WAIT_SPINS = 64  # polls per wait launch; the host relaunches until its timeout
 def _kernels():
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise TransportError(
-            "the device transport runs its kernels under the Triton interpreter on a CPU (its "
-            "GPU side is not written yet, docs/ibgda.md): set TRITON_INTERPRET=1 before "
-            "starting the process")
+            "without a GPU the device transport runs its kernels under the Triton interpreter: "
+            "set TRITON_INTERPRET=1 before starting the process")
     try:
         from ibgda import kernels
     except ImportError as exc:
@@ -113,17 +114,19 @@ class DeviceRemoteRegion(RemoteRegion):
 
 
 class DeviceTransport(ShmTransport):
-    """Regions live in ``/dev/shm`` (the CPU twin of device memory); clients use kernels."""
+    """Regions live in device memory on GPU nodes, in ``/dev/shm`` (the CPU twin) elsewhere;
+    clients use kernels either way."""
 
     name = "device"
     owner_sleeps_on_futex = False  # a kernel's store cannot wake a futex: the owner polls
 
-    def __init__(self):
+    def create_region(self, size: int) -> LocalRegion:
         if torch.cuda.is_available():
-            raise TransportError(
-                "the device transport's GPU side (CUDA IPC / NVSHMEM) is not written yet; use "
-                "--eaas-transport shm or mooncake on GPU hosts")
+            return device_cuda.CudaLocalRegion(size)
+        return super().create_region(size)
 
-    def connect(self, handle: RegionHandle) -> DeviceRemoteRegion:
+    def connect(self, handle: RegionHandle) -> RemoteRegion:
         self._check_backend(handle)
+        if device_cuda.is_cuda_handle(handle):
+            return device_cuda.CudaRemoteRegion(handle)
         return DeviceRemoteRegion(map_shm(handle, create=False))
