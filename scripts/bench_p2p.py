@@ -1,4 +1,5 @@
-"""Benchmark: round-trip latency of the slot protocol over shm against memcpy, ZMQ and gloo.
+"""Benchmark: round-trip latency of the slot protocol over every ibgda backend against memcpy,
+ZMQ and gloo.
 
 The paper's section 5.5 on this machine: a client sends a (bs, 7168) bfloat16 tensor to a server
 that returns it at once, and times the round trip; the median per batch size is reported.
@@ -6,12 +7,15 @@ that returns it at once, and times the round trip; the median per batch size is 
 (ClientSlot.send) and sleeps on its result doorbell (wait); the server process, asleep on its
 region doorbell, copies the request's hidden states into the slot's result buffer and publishes;
 the client checks the result header (result). Every client and every server is its own process.
+The same over other backends: "shm-spin" (both ends busy-poll 2 ms before sleeping, as
+--poll-spin-us does), "mooncake" (Mooncake Transfer Engine over TCP on 127.0.0.1), "device"
+(the device kernels under the Triton CPU interpreter: bs 1-8 only, a tenth of the iterations).
 
 Baselines, same run, same sizes, 1 client x 1 server: "memcpy", two copy_ of the payload between
 preallocated tensors in one process (what a round trip must at least copy); "zmq-ipc" and
 "zmq-tcp", a pyzmq REQ/REP echo over ipc:// and tcp://127.0.0.1 with zero-copy sends; "gloo",
-a torch.distributed send/recv echo between two processes on 127.0.0.1. Layouts CxS (shm only):
-C concurrent clients, each sending to all S servers, then waiting for all of them.
+a torch.distributed send/recv echo between two processes on 127.0.0.1. Layouts CxS (every slot
+backend but device): C concurrent clients, each sending to all S servers, then waiting for all.
 
 Goal (paper): at bs=128, shm within 2x of memcpy and at least 5x faster than ZMQ and gloo.
 """
