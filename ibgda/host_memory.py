@@ -120,6 +120,9 @@ class MappedRemoteRegion(RemoteRegion):
         dst = as_bytes(out)
         dst.copy_(self.memory.view(offset, dst.numel()))
 
+    def mapped(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.memory.view(offset, nbytes)
+
     def store_flag(self, offset: int, value: int) -> None:
         self.memory.store_flag(offset, value)
 

@@ -121,6 +121,13 @@ class RemoteRegion(abc.ABC):
     def read(self, offset: int, out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous, any dtype) from the region at ``offset``."""
 
+    def mapped(self, offset: int, nbytes: int) -> torch.Tensor | None:
+        """A zero-copy ``uint8 [nbytes]`` view of the peer's bytes, on backends where they are
+        mapped into this process (``shm``); None where every access is a transfer (then
+        ``read``). After an acquiring ``load_flag``/``wait_flag``, it shows what the peer
+        wrote before storing the flag."""
+        return None
+
     @abc.abstractmethod
     def store_flag(self, offset: int, value: int) -> None:
         """Release-store the flag byte: every earlier write lands before it."""

@@ -82,8 +82,9 @@ class ClientSlot:
         return self.state == SlotState.SERVER_DONE
 
     def result(self) -> torch.Tensor:
-        """The ``[T, hidden_size]`` result of the last request, read in one go after ``wait``;
-        valid until the next ``result``.
+        """The ``[T, hidden_size]`` result of the last request, after ``wait``; valid until the
+        next ``send``. Where the region is mapped here (``shm``) it is a view of the slot
+        itself, no copy; elsewhere one read brings header and result together.
 
         Raises ``ProtocolError`` if the server rejected the request or answered another one.
         """
@@ -91,18 +92,20 @@ class ClientSlot:
             raise ProtocolError("result read before the server published it")
         h = self.layout.hidden_size
         nbytes = HEADER_BYTES + self._tokens * h * self.dtype.itemsize
-        if self._inbox.numel() < nbytes:
-            self._inbox = torch.empty(nbytes, dtype=torch.uint8)
-        inbox = self._inbox[:nbytes]
-        # The result payload follows its header directly (SlotLayout): one read for both.
-        self.region.read(self.base + self.layout.result_header, inbox)
-        header = ResultHeader.unpack(inbox[:HEADER_BYTES].numpy().tobytes())
+        # The result payload follows its header directly (SlotLayout).
+        answer = self.region.mapped(self.base + self.layout.result_header, nbytes)
+        if answer is None:
+            if self._inbox.numel() < nbytes:
+                self._inbox = torch.empty(nbytes, dtype=torch.uint8)
+            answer = self._inbox[:nbytes]
+            self.region.read(self.base + self.layout.result_header, answer)
+        header = ResultHeader.unpack(answer[:HEADER_BYTES].numpy().tobytes())
         if header.status != ResultStatus.OK:
             raise ProtocolError(f"server rejected request {self.seq}: {header.reason.name}")
         if header.seq != self.seq or header.num_tokens != self._tokens:
             raise ProtocolError(f"result is for request {header.seq} of {header.num_tokens} "
                                 f"tokens, expected {self.seq} of {self._tokens}")
-        return inbox[HEADER_BYTES:].view(self.dtype).view(self._tokens, h)
+        return answer[HEADER_BYTES:].view(self.dtype).view(self._tokens, h)
 
     def leave(self) -> None:
         """Mark the slot OFFLINE (orderly close); waits for no one."""
