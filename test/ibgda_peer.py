@@ -23,6 +23,7 @@ import torch
 
 REQUEST_FLAG, ANSWER_FLAG, DATA = 0, 64, 4096
 CHUNKS = 64
+CHUNK_PAUSE = 200e-6  # seconds between chunks: a whole round takes > 13 ms even on shm
 
 
 def payload_bytes(backend: str) -> int:
@@ -58,6 +59,7 @@ def main() -> None:
             data = torch.full((chunk,), round_, dtype=torch.uint8)
             for c in range(CHUNKS):  # a multi-part request, as a client slot writes one
                 peer.write(DATA + c * chunk, data)
+                time.sleep(CHUNK_PAUSE)  # a wide window for the owner's kill to land in
             peer.store_flag(REQUEST_FLAG, round_)
             while peer.load_flag(REQUEST_FLAG) != 0:
                 pass
