@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -175,6 +177,28 @@ def test_dead_client_slot_is_reclaimed(servers, info, tiny_qwen3):
     finally:
         for c in clients:
             c.close()
+
+
+def test_closing_waits_for_the_server_but_not_for_a_hung_one(servers, info):
+    """An orderly close returns once the server has the slot back; a server that does not
+    answer (stopped) delays it by LEAVE_TIMEOUT at most, not by the connection timeout."""
+    from sglang_eaas.client.connection import LEAVE_TIMEOUT
+
+    before = probe(servers[0].address)["clients"]
+    _client(servers, info, "orderly").close()
+    assert probe(servers[0].address)["clients"] == before  # no polling needed
+    client = _client(servers, info, "patient")
+    os.kill(servers[0].process.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        client.close()
+        assert time.monotonic() - start < LEAVE_TIMEOUT + 5
+    finally:
+        os.kill(servers[0].process.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10  # the server notices the closed socket once it runs again
+    while probe(servers[0].address)["clients"] != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert probe(servers[0].address)["clients"] == before
 
 
 def test_join_refused_for_another_model(servers, tiny_mixtral):

@@ -12,6 +12,9 @@ from sglang_eaas.protocol.layout import SlotLayout
 from sglang_eaas.protocol.slot import ClientSlot
 
 
+LEAVE_TIMEOUT = 2.0  # seconds a closing client waits for the server to take its slot back
+
+
 class ServerConnection:
     """Joins on construction; the slot stays ours while the control socket is open."""
 
@@ -69,6 +72,7 @@ class ServerConnection:
             self.slot.leave()
             self.slot = None
             try:
+                self._sock.settimeout(LEAVE_TIMEOUT)  # a hung server must not hang our exit
                 self._call({"op": "leave"})
             except (TransportError, ValueError):
                 pass
