@@ -84,7 +84,9 @@ def test_results_match_over_every_backend(backend, info, tiny_qwen3, monkeypatch
     a client asking for another transport than the server offers is refused clearly."""
     backend_transport(backend, monkeypatch)  # device: kernels under the interpreter here
     (server,) = start_local_servers(tiny_qwen3, [list(range(info.num_experts))], "float32", 2,
-                                    extra_args=("--transport", backend),
+                                    # both spellings of the flag: one per backend
+                                    extra_args=("--transport" if backend == "mooncake"
+                                                else "--eaas-transport", backend),
                                     stdout=open_log(f"expert-server-{backend}"))
     try:
         with pytest.raises(TransportError, match=f"offers transport '{backend}'"):

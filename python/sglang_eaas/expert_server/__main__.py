@@ -34,9 +34,11 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES_BY_NAME],
                    help="weights dtype; 'auto' keeps the checkpoint's. A client with another "
                    "dtype is served with conversion")
-    p.add_argument("--transport", default=transports.AUTO, choices=transports.CHOICES,
-                   help="how clients reach the slots: " + transports.HELP + "'shm' when "
-                   "--listen is a loopback address, else 'mooncake'; default %(default)s")
+    p.add_argument("--transport", "--eaas-transport", default=transports.AUTO,
+                   choices=transports.CHOICES,
+                   help="how clients reach the slots (--eaas-transport: the same flag under "
+                   "SGLang's name): " + transports.HELP + "'shm' when --listen is a loopback "
+                   "address, else 'mooncake'; default %(default)s")
     p.add_argument("--max-clients", type=int, default=8,
                    help="client slots (one per attention rank); default %(default)s")
     p.add_argument("--max-tokens", type=int, default=2048,
