@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import struct
 import zlib
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 MAGIC = 0x53414145  # b"EAAS" read as little-endian u32
 VERSION = 1
@@ -45,20 +45,22 @@ class ResultStatus(enum.IntEnum):
     REJECTED = 1
 
 
-def _pack(fmt: str, fields: tuple) -> bytes:
-    body = struct.pack(fmt, *fields)
-    return body + struct.pack("<I", zlib.crc32(body))
+_CHECKSUM = struct.Struct("<I")
 
 
-def _unpack(fmt: str, buf: bytes) -> tuple:
-    size = struct.calcsize(fmt)
-    body, (checksum,) = bytes(buf[:size]), struct.unpack_from("<I", buf, size)
-    fields = struct.unpack(fmt, body)
+def _pack(fmt: struct.Struct, *fields: int) -> bytes:
+    body = fmt.pack(*fields)
+    return body + _CHECKSUM.pack(zlib.crc32(body))
+
+
+def _unpack(fmt: struct.Struct, buf: bytes) -> tuple:
+    body = memoryview(buf)[: fmt.size]
+    fields = fmt.unpack(body)
     if fields[0] != MAGIC:
         raise HeaderError(RejectReason.BAD_MAGIC, f"magic {fields[0]:#x} != {MAGIC:#x}")
     if fields[1] != VERSION:
         raise HeaderError(RejectReason.BAD_VERSION, f"version {fields[1]} != {VERSION}")
-    if zlib.crc32(body) != checksum:
+    if zlib.crc32(body) != _CHECKSUM.unpack_from(buf, fmt.size)[0]:
         raise HeaderError(RejectReason.BAD_CHECKSUM, "header checksum mismatch")
     return fields
 
@@ -80,11 +82,11 @@ class RequestHeader:
     seq: int  # strictly increasing per slot; a repeat or a step back is stale
     payload_bytes: int
 
-    _FMT = "<IHBxIIIIQQ"
+    _FMT = struct.Struct("<IHBxIIIIQQ")
 
     def pack(self) -> bytes:
-        return _pack(self._FMT, (MAGIC, VERSION, self.dtype, *astuple(self)[:4], self.seq,
-                                 self.payload_bytes))
+        return _pack(self._FMT, MAGIC, VERSION, self.dtype, self.layer_id, self.num_tokens,
+                     self.top_k, self.hidden_size, self.seq, self.payload_bytes)
 
     @classmethod
     def unpack(cls, buf: bytes) -> "RequestHeader":
@@ -108,11 +110,11 @@ class ResultHeader:
     num_tokens: int
     reason: RejectReason = RejectReason.NONE
 
-    _FMT = "<IHBxQII"
+    _FMT = struct.Struct("<IHBxQII")
 
     def pack(self) -> bytes:
-        return _pack(self._FMT, (MAGIC, VERSION, self.status, self.seq, self.num_tokens,
-                                 self.reason))
+        return _pack(self._FMT, MAGIC, VERSION, self.status, self.seq, self.num_tokens,
+                     self.reason)
 
     @classmethod
     def unpack(cls, buf: bytes) -> "ResultHeader":

@@ -24,13 +24,18 @@ TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16,
 DTYPE_CODES = {v: k for k, v in TORCH_DTYPES.items()}
 # The names used on command lines and in join messages.
 DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# How long either end busy-polls (yielding the core between polls) before it sleeps on a
+# doorbell: a futex wake-up costs tens of microseconds, a poll under one (docs/protocol.md).
+POLL_SPIN_US = 2000
 
 
 class ClientSlot:
     """The client's side: only it writes requests and reads results.
 
     It mirrors the flag locally (only the server moves it, and only from CLIENT_WRITE_DONE to
-    SERVER_DONE, which ``wait`` observes), so sending costs no remote read.
+    SERVER_DONE, which ``wait`` observes), so sending costs no remote read. Where the region is
+    mapped into this process (``shm``) every section is written and read through typed views
+    made once, so a round trip costs a few tensor ops beyond the copies themselves.
     """
 
     def __init__(self, region: RemoteRegion, base: int, layout: SlotLayout, server_bell: int):
@@ -39,7 +44,11 @@ class ClientSlot:
         self.dtype = TORCH_DTYPES[layout.dtype]
         self.state = SlotState.EMPTY
         self._tokens = 0
+        self._flag, self._bell = base + layout.flag, base + layout.bell
+        self._answer_at = base + layout.result_header
         self._inbox = torch.empty(0, dtype=torch.uint8)  # result header + result, grown on use
+        slot = region.mapped(base, layout.size)
+        self._views = None if slot is None else _SlotViews(slot, layout)
 
     def _move(self, new: SlotState) -> None:
         check_transition(Actor.CLIENT, self.state, new)
@@ -55,29 +64,38 @@ class ClientSlot:
             router_weights: ``[T, top_k]`` float router weights.
         """
         layout, tokens = self.layout, hidden.shape[0]
-        if tokens > layout.max_tokens or tuple(expert_ids.shape) != (tokens, layout.top_k):
+        if (tokens > layout.max_tokens or tuple(hidden.shape) != (tokens, layout.hidden_size)
+                or tuple(expert_ids.shape) != (tokens, layout.top_k)
+                or tuple(router_weights.shape) != (tokens, layout.top_k)):
             raise ProtocolError(f"request of {tokens} tokens does not fit slot {layout}")
         check_transition(Actor.CLIENT, self.state, SlotState.CLIENT_WRITE_DONE)
         self.seq += 1
         header = RequestHeader(layer_id, tokens, layout.top_k, layout.hidden_size, layout.dtype,
-                               self.seq, layout.payload_bytes(tokens))
-        base = self.base
-        self.region.put_signal([
-            (base + layout.hidden, hidden.to(self.dtype)),
-            (base + layout.expert_ids, expert_ids.to(torch.int32)),
-            (base + layout.router_weights, router_weights.to(torch.float32)),
-            (base + layout.request_header, torch.frombuffer(bytearray(header.pack()),
-                                                            dtype=torch.uint8)),
-        ], base + layout.flag, SlotState.CLIENT_WRITE_DONE)
+                               self.seq, layout.payload_bytes(tokens)).pack()
+        views = self._views
+        if views is not None:  # the same put, through this process's mapping
+            views.hidden[:tokens].copy_(hidden)
+            views.expert_ids[:tokens].copy_(expert_ids)
+            views.router_weights[:tokens].copy_(router_weights)
+            views.request_header[: len(header)] = header
+            self.region.store_flag(self._flag, SlotState.CLIENT_WRITE_DONE)
+        else:
+            base = self.base
+            self.region.put_signal([
+                (base + layout.hidden, hidden.to(self.dtype)),
+                (base + layout.expert_ids, expert_ids.to(torch.int32)),
+                (base + layout.router_weights, router_weights.to(torch.float32)),
+                (base + layout.request_header, torch.frombuffer(bytearray(header),
+                                                                dtype=torch.uint8)),
+            ], self._flag, SlotState.CLIENT_WRITE_DONE)
         self.state, self._tokens = SlotState.CLIENT_WRITE_DONE, tokens
         self.region.notify(self.server_bell)
 
-    def wait(self, timeout: float, spin: float = 0.0) -> bool:
+    def wait(self, timeout: float, spin: float = POLL_SPIN_US * 1e-6) -> bool:
         """Wait until the server published (True) or ``timeout`` seconds passed (False),
-        busy-polling for the first ``spin`` seconds."""
+        busy-polling for the first ``spin`` seconds, then sleeping on the slot's doorbell."""
         if self.state == SlotState.CLIENT_WRITE_DONE and self.region.wait_flag(
-                self.base + self.layout.flag, SlotState.SERVER_DONE, timeout,
-                self.base + self.layout.bell, spin):
+                self._flag, SlotState.SERVER_DONE, timeout, self._bell, spin):
             self.state = SlotState.SERVER_DONE
         return self.state == SlotState.SERVER_DONE
 
@@ -90,28 +108,50 @@ class ClientSlot:
         """
         if self.state != SlotState.SERVER_DONE:
             raise ProtocolError("result read before the server published it")
-        h = self.layout.hidden_size
-        nbytes = HEADER_BYTES + self._tokens * h * self.dtype.itemsize
-        # The result payload follows its header directly (SlotLayout).
-        answer = self.region.mapped(self.base + self.layout.result_header, nbytes)
-        if answer is None:
+        tokens, views = self._tokens, self._views
+        if views is not None:
+            header, result = bytes(views.result_header), views.result[:tokens]
+        else:
+            nbytes = HEADER_BYTES + tokens * self.layout.hidden_size * self.dtype.itemsize
             if self._inbox.numel() < nbytes:
                 self._inbox = torch.empty(nbytes, dtype=torch.uint8)
             answer = self._inbox[:nbytes]
-            self.region.read(self.base + self.layout.result_header, answer)
-        header = ResultHeader.unpack(answer[:HEADER_BYTES].numpy().tobytes())
-        if header.status != ResultStatus.OK:
-            raise ProtocolError(f"server rejected request {self.seq}: {header.reason.name}")
-        if header.seq != self.seq or header.num_tokens != self._tokens:
-            raise ProtocolError(f"result is for request {header.seq} of {header.num_tokens} "
-                                f"tokens, expected {self.seq} of {self._tokens}")
-        return answer[HEADER_BYTES:].view(self.dtype).view(self._tokens, h)
+            # The result payload follows its header directly (SlotLayout): one read.
+            self.region.read(self._answer_at, answer)
+            header = answer[:HEADER_BYTES].numpy().tobytes()
+            result = answer[HEADER_BYTES:].view(self.dtype).view(tokens, self.layout.hidden_size)
+        answered = ResultHeader.unpack(header)
+        if answered.status != ResultStatus.OK:
+            raise ProtocolError(f"server rejected request {self.seq}: {answered.reason.name}")
+        if answered.seq != self.seq or answered.num_tokens != tokens:
+            raise ProtocolError(f"result is for request {answered.seq} of "
+                                f"{answered.num_tokens} tokens, expected {self.seq} of {tokens}")
+        return result
 
     def leave(self) -> None:
         """Mark the slot OFFLINE (orderly close); waits for no one."""
         if self.state in (SlotState.EMPTY, SlotState.SERVER_DONE):
             self._move(SlotState.OFFLINE)
-            self.region.store_flag(self.base + self.layout.flag, SlotState.OFFLINE)
+            self.region.store_flag(self._flag, SlotState.OFFLINE)
+
+
+class _SlotViews:
+    """Typed full-capacity views of one slot's sections, made from a ``uint8 [size]`` view of
+    the slot in host memory; requests use a prefix. Headers are byte views."""
+
+    def __init__(self, slot: torch.Tensor, layout: SlotLayout):
+        dtype = TORCH_DTYPES[layout.dtype]
+        rows, h, k = layout.max_tokens, layout.hidden_size, layout.top_k
+
+        def section(offset: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
+            return slot[offset : offset + rows * cols * dtype.itemsize].view(dtype).view(rows, cols)
+
+        self.hidden = section(layout.hidden, dtype, h)
+        self.expert_ids = section(layout.expert_ids, torch.int32, k)
+        self.router_weights = section(layout.router_weights, torch.float32, k)
+        self.result = section(layout.result, dtype, h)
+        self.request_header = memoryview(slot[layout.request_header:][:HEADER_BYTES].numpy())
+        self.result_header = memoryview(slot[layout.result_header:][:HEADER_BYTES].numpy())
 
 
 class ServerSlot:
@@ -120,24 +160,16 @@ class ServerSlot:
     def __init__(self, region: LocalRegion, base: int, layout: SlotLayout):
         self.region, self.base, self.layout = region, base, layout
         self.dtype = TORCH_DTYPES[layout.dtype]
-        # Zero-copy views of the payload sections at full capacity; requests use a prefix.
-        rows, h, k = layout.max_tokens, layout.hidden_size, layout.top_k
-        self._hidden = self._tensor(layout.hidden, self.dtype, (rows, h))
-        self._expert_ids = self._tensor(layout.expert_ids, torch.int32, (rows, k))
-        self._router_weights = self._tensor(layout.router_weights, torch.float32, (rows, k))
-        self._result = self._tensor(layout.result, self.dtype, (rows, h))
+        self._flag, self._bell = base + layout.flag, base + layout.bell
+        self._views = _SlotViews(region.view(base, layout.size), layout)
         self.last_seq = 0
 
-    def _tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, int]) -> torch.Tensor:
-        nbytes = shape[0] * shape[1] * dtype.itemsize
-        return self.region.view(self.base + offset, nbytes).view(dtype).view(shape)
-
     def state(self) -> int:
-        return self.region.load_flag(self.base + self.layout.flag)
+        return self.region.load_flag(self._flag)
 
     def _move(self, new: SlotState) -> None:
         check_transition(Actor.SERVER, self.state(), new)
-        self.region.store_flag(self.base + self.layout.flag, new)
+        self.region.store_flag(self._flag, new)
 
     def ready(self) -> bool:
         return self.state() == SlotState.CLIENT_WRITE_DONE
@@ -147,9 +179,8 @@ class ServerSlot:
 
         Raises ``HeaderError`` for a corrupt, stale or ill-sized request; ``reject`` it then.
         """
-        layout = self.layout
-        header = RequestHeader.unpack(
-            self.region.view(self.base + layout.request_header, HEADER_BYTES).numpy().tobytes())
+        layout, views = self.layout, self._views
+        header = RequestHeader.unpack(bytes(views.request_header))
         if header.seq <= self.last_seq:
             raise HeaderError(RejectReason.STALE_SEQUENCE,
                               f"sequence {header.seq} after {self.last_seq}")
@@ -159,12 +190,12 @@ class ServerSlot:
                 or header.hidden_size != layout.hidden_size or not 0 < tokens <= layout.max_tokens
                 or header.payload_bytes != layout.payload_bytes(tokens)):
             raise HeaderError(RejectReason.BAD_SIZES, f"{header} does not match {layout}")
-        return (header, self._hidden[:tokens], self._expert_ids[:tokens],
-                self._router_weights[:tokens])
+        return (header, views.hidden[:tokens], views.expert_ids[:tokens],
+                views.router_weights[:tokens])
 
     def result_buffer(self, num_tokens: int) -> torch.Tensor:
         """Where to compute the ``[num_tokens, hidden_size]`` result in place."""
-        return self._result[:num_tokens]
+        return self._views.result[:num_tokens]
 
     def publish(self, seq: int, num_tokens: int) -> None:
         """The result is in ``result_buffer``: write its header, then SERVER_DONE."""
@@ -177,10 +208,9 @@ class ServerSlot:
     def _answer(self, header: ResultHeader) -> None:
         """Header, then SERVER_DONE (release), then the client's doorbell."""
         packed = header.pack()
-        self.region.view(self.base + self.layout.result_header, len(packed)).copy_(
-            torch.frombuffer(bytearray(packed), dtype=torch.uint8))
+        self._views.result_header[: len(packed)] = packed
         self._move(SlotState.SERVER_DONE)
-        self.region.notify(self.base + self.layout.bell)
+        self.region.notify(self._bell)
 
     def open(self) -> None:
         """Hand the (OFFLINE) slot to a newly joined client."""
