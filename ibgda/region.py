@@ -16,6 +16,7 @@ Flags are bytes, words are little-endian u32 (doorbells), both at the caller's o
 from __future__ import annotations
 
 import abc
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Sequence
@@ -151,7 +152,8 @@ class RemoteRegion(abc.ABC):
 
         ``bell`` names a doorbell u32 the peer rings after storing the flag, for backends that
         can sleep on it; the others poll with a growing pause. ``spin`` seconds of busy polling
-        come first: a core traded for the wake-up latency of a sleep.
+        (yielding between polls) come first: CPU time traded for the wake-up latency of a
+        sleep.
         """
         if self._spin(offset, value, min(spin, timeout)):
             return True
@@ -164,13 +166,16 @@ class RemoteRegion(abc.ABC):
         return True
 
     def _spin(self, offset: int, value: int, seconds: float) -> bool:
-        """Busy-poll the flag for up to ``seconds``; True once it equals ``value``."""
+        """Busy-poll the flag for up to ``seconds``; True once it equals ``value``. Between
+        polls the core is yielded to any other runnable process, so on an oversubscribed host
+        a spinning waiter does not hold up the peer it waits for."""
         deadline = time.monotonic() + seconds
         while True:
             if self.load_flag(offset) == value:
                 return True
             if time.monotonic() >= deadline:
                 return False
+            os.sched_yield()
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -42,7 +42,8 @@ def test_help_lists_every_flag():
     assert "sglang-eaas:" in help_text
     for flag, words in [("--eaas ", "stateless expert servers"),
                         ("--eaas-expert-servers SPEC", "local:N"),
-                        ("--eaas-placement FILE", "replicas allowed")]:
+                        ("--eaas-placement FILE", "replicas allowed"),
+                        ("--eaas-poll-spin-us US", "busy-poll for the results")]:
         assert flag in help_text
         assert words in " ".join(help_text.split())
 
@@ -51,9 +52,9 @@ def test_flags_parse(sglang_with_plugins, tiny_qwen3):
     assert not hasattr(_parse(tiny_qwen3), "_eaas")
     assert _parse(tiny_qwen3, "--eaas")._eaas == EaasConfig()
     args = _parse(tiny_qwen3, "--eaas", "--eaas-expert-servers", "10.0.0.1:7000, node-b:7001",
-                  "--eaas-placement", str(tiny_qwen3 / "config.json"))
+                  "--eaas-placement", str(tiny_qwen3 / "config.json"), "--eaas-poll-spin-us", "0")
     assert args._eaas == EaasConfig(RemoteServers(("10.0.0.1:7000", "node-b:7001")),
-                                    tiny_qwen3 / "config.json")
+                                    tiny_qwen3 / "config.json", poll_spin_us=0)
 
 
 @pytest.mark.parametrize(
@@ -65,6 +66,8 @@ def test_flags_parse(sglang_with_plugins, tiny_qwen3):
         (["--eaas", "--eaas-placement", "/no/such/file"], "'/no/such/file' is not a readable"),
         (["--eaas-expert-servers", "local:2"], "--eaas-expert-servers only apply with --eaas"),
         (["--eaas", "--tp", "2", "--ep", "2"], "--eaas replaces expert parallelism"),
+        (["--eaas", "--eaas-poll-spin-us", "-5"], "expected a whole number of microseconds"),
+        (["--eaas-poll-spin-us", "10"], "--eaas-poll-spin-us only apply with --eaas"),
     ],
 )
 def test_bad_values_are_refused(sglang_with_plugins, tiny_qwen3, capsys, args, message):
@@ -105,8 +108,10 @@ def _spawn_unpickle(payload: bytes):
 
 
 def test_config_reaches_spawned_workers(sglang_with_plugins, tiny_qwen3):
-    args = _parse(tiny_qwen3, "--eaas", "--eaas-expert-servers", "local:3")
-    assert _spawn_unpickle(pickle.dumps(args)) == ("ok", EaasConfig(LocalServers(3)))
+    args = _parse(tiny_qwen3, "--eaas", "--eaas-expert-servers", "local:3",
+                  "--eaas-poll-spin-us", "50")
+    assert _spawn_unpickle(pickle.dumps(args)) == ("ok", EaasConfig(LocalServers(3),
+                                                                    poll_spin_us=50))
 
 
 def test_worker_without_the_plugin_fails_clearly(sglang_with_plugins, tiny_qwen3, monkeypatch):

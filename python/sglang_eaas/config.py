@@ -11,10 +11,11 @@ instead of silently serving without it.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from sglang_eaas import transports
+from sglang_eaas.protocol.slot import POLL_SPIN_US
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,13 @@ def parse_expert_servers(spec: str) -> LocalServers | RemoteServers:
     return RemoteServers(addresses)
 
 
+def _non_negative(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number of microseconds >= 0, got "
+                                         f"{value!r}")
+    return int(value)
+
+
 def existing_file(path: str) -> Path:
     p = Path(path)
     if not p.is_file():
@@ -66,19 +74,18 @@ class EaasConfig:
     placement: Path | None = None
     token: str | None = field(default=None, repr=False)  # else SGLANG_EAAS_TOKEN
     transport: str = transports.AUTO
+    poll_spin_us: int = POLL_SPIN_US  # busy-poll for a result this long, then sleep
 
     def __reduce__(self):
-        return (_restore_in_worker,
-                (self.expert_servers, self.placement, self.token, self.transport))
+        return (_restore_in_worker, tuple(getattr(self, f.name) for f in fields(self)))
 
 
-def _restore_in_worker(expert_servers: LocalServers | RemoteServers, placement: Path | None,
-                       token: str | None, transport: str) -> EaasConfig:
+def _restore_in_worker(*values) -> EaasConfig:
     """Unpickle hook: a worker process only gets an EaasConfig if the plugin is active in it."""
     from sglang_eaas import plugin
 
     plugin.ensure_active_in_process()
-    return EaasConfig(expert_servers, placement, token, transport)
+    return EaasConfig(*values)
 
 
 class _EnableEaas(argparse.Action):
@@ -139,6 +146,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="How this server reaches the expert servers' slots: " + transports.HELP + "take "
         "what each server offers, and start local servers with 'shm' (default: auto).",
     )
+    group.add_argument(
+        "--eaas-poll-spin-us",
+        type=_non_negative,
+        default=None,
+        metavar="US",
+        help="After sending a layer's requests, busy-poll for the results this long (yielding "
+        "the core to other runnable processes between polls) before sleeping on the result "
+        f"doorbell; 0 sleeps at once (default: {POLL_SPIN_US}).",
+    )
 
 
 def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
@@ -150,7 +166,8 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
     if not getattr(args, "eaas", False):
         given = [
             f"--{name.replace('_', '-')}"
-            for name in ("eaas_expert_servers", "eaas_placement", "eaas_token", "eaas_transport")
+            for name in ("eaas_expert_servers", "eaas_placement", "eaas_token", "eaas_transport",
+                         "eaas_poll_spin_us")
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -159,8 +176,10 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
     if getattr(args, "ep_size", 1) > 1 or getattr(args, "moe_a2a_backend", "none") != "none":
         raise ValueError("--eaas replaces expert parallelism: drop --ep/--moe-a2a-backend "
                          "(attention keeps --tp)")
+    spin = args.eaas_poll_spin_us
     return EaasConfig(args.eaas_expert_servers, args.eaas_placement, args.eaas_token,
-                      args.eaas_transport or transports.AUTO)
+                      args.eaas_transport or transports.AUTO,
+                      POLL_SPIN_US if spin is None else spin)
 
 
 def current() -> EaasConfig | None:

@@ -10,7 +10,7 @@ from sglang_eaas import transports
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import ExpertRouting, PlacementError
-from sglang_eaas.protocol.slot import DTYPES_BY_NAME
+from sglang_eaas.protocol.slot import DTYPES_BY_NAME, POLL_SPIN_US
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
 
@@ -20,8 +20,9 @@ class EaasClient:
 
     def __init__(self, addresses: list[str], info: MoeModelInfo, dtype: torch.dtype, name: str,
                  expected_experts: dict[str, list[int]] | None = None,
-                 result_timeout: float = 120.0, transport: str = transports.AUTO):
-        self.info, self.result_timeout = info, result_timeout
+                 result_timeout: float = 120.0, transport: str = transports.AUTO,
+                 poll_spin: float = POLL_SPIN_US * 1e-6):
+        self.info, self.result_timeout, self.poll_spin = info, result_timeout, poll_spin
         self.connections: list[ServerConnection] = []
         try:
             for address in addresses:
@@ -72,7 +73,7 @@ class EaasClient:
         return out
 
     def _wait(self, conn: ServerConnection, layer_id: int) -> None:
-        if not conn.slot.wait(self.result_timeout):
+        if not conn.slot.wait(self.result_timeout, self.poll_spin):
             raise TransportError(
                 f"expert server {conn.address} did not answer layer {layer_id} within "
                 f"{self.result_timeout:.0f}s")

@@ -9,6 +9,7 @@ server addresses in ``ServerArgs._eaas`` and join the servers themselves.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -78,8 +79,8 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
         local = start_local_servers(model_path, placements, dtype, max(8, num_ranks),
                                     extra_args=("--transport", backend))
         atexit.register(lambda: [s.stop() for s in local])
-        return EaasConfig(RemoteServers(tuple(s.address for s in local)), token=cfg.token,
-                          transport=backend)
+        return dataclasses.replace(cfg, expert_servers=RemoteServers(
+            tuple(s.address for s in local)), placement=None, transport=backend)
     if not envs.TOKEN.get():
         raise TransportError(f"expert servers started separately need their shared token: set "
                              f"{envs.TOKEN.name} or pass --eaas-token")
@@ -94,7 +95,7 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
                                  f"{cfg.placement} says {planned[address]}")
         held.append(stats["experts"])
     ExpertRouting(held, info.num_experts)
-    return EaasConfig(servers, cfg.placement, cfg.token, cfg.transport)
+    return dataclasses.replace(cfg, expert_servers=servers)
 
 
 def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **kwargs):

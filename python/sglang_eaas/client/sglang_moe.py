@@ -37,7 +37,8 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
         name = f"{socket.gethostname()}:{os.getpid()}"
         _client = EaasClient(list(cfg.expert_servers.addresses),
                              MoeModelInfo.from_model_path(server_args.model_path), dtype, name,
-                             expected_experts=expected, transport=cfg.transport)
+                             expected_experts=expected, transport=cfg.transport,
+                             poll_spin=cfg.poll_spin_us * 1e-6)
         atexit.register(_client.close)
         logger.info("sglang-eaas: %s joined expert servers %s over %s", name,
                     ", ".join(cfg.expert_servers.addresses),

@@ -10,6 +10,7 @@ import sys
 from sglang_eaas import envs, transports
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 from sglang_eaas.placement import PlacementError, parse_expert_list
+from sglang_eaas.protocol.slot import POLL_SPIN_US
 
 
 def parse_args(argv: list[str] | None = None):
@@ -49,9 +50,11 @@ def parse_args(argv: list[str] | None = None):
                    "before computing, up to --max-wait-us; default %(default)s")
     p.add_argument("--max-wait-us", type=int, default=0,
                    help="longest wait for --min-batch-tokens, in microseconds; default %(default)s")
-    p.add_argument("--poll-spin-us", type=int, default=0,
-                   help="after serving, busy-poll the slots this long before sleeping on the "
-                   "doorbell: lower latency for a core; default %(default)s")
+    p.add_argument("--poll-spin-us", type=int, default=POLL_SPIN_US,
+                   help="after serving, busy-poll the slots this long (yielding the core to "
+                   "other runnable processes between polls) before sleeping on the doorbell: "
+                   "saves the tens of microseconds of a wake-up per request; 0 sleeps at "
+                   "once; default %(default)s")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (the server's whole CPU budget); default "
                    "%(default)s")

@@ -19,7 +19,7 @@ from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RegionLayout, SlotLayout, SlotState
 from sglang_eaas.protocol.header import HeaderError, RejectReason, RequestHeader
-from sglang_eaas.protocol.slot import DTYPE_CODES, DTYPES_BY_NAME, ServerSlot
+from sglang_eaas.protocol.slot import DTYPE_CODES, DTYPES_BY_NAME, POLL_SPIN_US, ServerSlot
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class ExpertServerConfig:
     max_tokens: int = 2048  # per request; clients split larger batches
     min_batch_tokens: int = 1
     max_wait_us: int = 0
-    poll_spin_us: int = 0  # busy-poll this long after the last request before sleeping
+    poll_spin_us: int = POLL_SPIN_US  # busy-poll this long after the last request, then sleep
     threads: int = 1
 
 
@@ -190,7 +190,7 @@ class ExpertServer:
 
     def serve_forever(self) -> None:
         """Serve until ``stop()``; between requests, sleep on the doorbell clients ring
-        (after ``poll_spin_us`` of busy polling)."""
+        (after ``poll_spin_us`` of busy polling that yields the core between polls)."""
         self.control.thread.start()
         bell, spin = self.region_layout.bell, self.config.poll_spin_us * 1e-6
         busy_until = 0.0
@@ -201,6 +201,8 @@ class ExpertServer:
             elif time.perf_counter() >= busy_until:
                 # Bounded, so that stop() and clients that cannot ring are noticed.
                 self.region.wait_word(bell, seen, 0.01)
+            else:
+                os.sched_yield()
 
     def stop(self) -> None:
         self._stop.set()
