@@ -3,13 +3,15 @@ ZMQ and gloo.
 
 The paper's section 5.5 on this machine: a client sends a (bs, 7168) bfloat16 tensor to a server
 that returns it at once, and times the round trip; the median per batch size is reported.
-"shm" is the project's real slot protocol over the shm transport: the client publishes a request
-(ClientSlot.send) and sleeps on its result doorbell (wait); the server process, asleep on its
-region doorbell, copies the request's hidden states into the slot's result buffer and publishes;
-the client checks the result header (result). Every client and every server is its own process.
-The same over other backends: "shm-spin" (both ends busy-poll 2 ms before sleeping, as
---poll-spin-us does), "mooncake" (Mooncake Transfer Engine over TCP on 127.0.0.1), "device"
-(the device kernels under the Triton CPU interpreter: bs 1-8 only, a tenth of the iterations).
+"shm" is the project's real slot protocol over the shm transport, waiting as the product does by
+default: the client publishes a request (ClientSlot.send) and waits for its result (wait: busy-
+polls, yielding the core between polls, for POLL_SPIN_US, then sleeps on the result doorbell);
+the server process, waiting the same way on its region doorbell, copies the request's hidden
+states into the slot's result buffer and publishes; the client checks the result header (result).
+Every client and every server is its own process. Variants: "shm-sleep" (both ends sleep on the
+futex doorbell at once: --poll-spin-us 0 / --eaas-poll-spin-us 0), "mooncake" (Mooncake Transfer
+Engine over TCP on 127.0.0.1), "device" (the device kernels under the Triton CPU interpreter:
+bs 1-8 only, a tenth of the iterations).
 
 Baselines, same run, same sizes, 1 client x 1 server: "memcpy", two copy_ of the payload between
 preallocated tensors in one process (what a round trip must at least copy); "zmq-ipc" and
@@ -48,7 +50,7 @@ from sglang_eaas.client.local_servers import die_with_parent
 from sglang_eaas.protocol.flags import SlotState
 from sglang_eaas.protocol.header import DType
 from sglang_eaas.protocol.layout import RegionLayout, SlotLayout
-from sglang_eaas.protocol.slot import ClientSlot, ServerSlot
+from sglang_eaas.protocol.slot import POLL_SPIN_US, ClientSlot, ServerSlot
 from sglang_eaas.tools.server_process import free_port
 
 from ibgda import LocalRegion, RegionHandle, RemoteRegion, create_transport
@@ -205,15 +207,16 @@ def memcpy_floor(link: Link, plan: Plan) -> dict[int, float]:
 
 
 # name -> (ibgda backend, seconds both ends busy-poll before sleeping)
-VARIANTS = {"shm": ("shm", 0.0), "shm-spin": ("shm", 2e-3), "mooncake": ("mooncake", 0.0),
-            "device": ("device", 0.0)}
+DEFAULT_SPIN = POLL_SPIN_US * 1e-6
+VARIANTS = {"shm": ("shm", DEFAULT_SPIN), "shm-sleep": ("shm", 0.0),
+            "mooncake": ("mooncake", DEFAULT_SPIN), "device": ("device", DEFAULT_SPIN)}
 DEVICE_BATCH_SIZES = (1, 2, 4, 8)  # the device kernels run interpreted here: ms per launch
 
 
 def serve_echo(region: LocalRegion, bell: int, slots: list[ServerSlot], stop: Event,
                spin: float) -> None:
-    """Answer every ready request with its own hidden states; when idle, busy-poll for
-    ``spin`` seconds, then sleep on the doorbell (as ExpertServer.serve_forever does)."""
+    """Answer every ready request with its own hidden states; when idle, busy-poll (yielding)
+    for ``spin`` seconds, then sleep on the doorbell (as ExpertServer.serve_forever does)."""
     busy_until = 0.0
     while True:
         seen = region.load_word(bell)
@@ -230,6 +233,8 @@ def serve_echo(region: LocalRegion, bell: int, slots: list[ServerSlot], stop: Ev
             return
         elif time.perf_counter() >= busy_until:
             region.wait_word(bell, seen, 0.01)
+        else:
+            os.sched_yield()
 
 
 def slot_server(link: Link, num_clients: int, variant: str) -> None:
@@ -513,9 +518,10 @@ def parse_args() -> argparse.Namespace:
                         "besides 1x1 (always measured); each client sends to all its servers, "
                         "then waits for all; clients run concurrently; '' for none; "
                         "default 2x2,1x3")
-    parser.add_argument("--backends", type=variants_arg, default="shm,shm-spin,mooncake,device",
-                        help="slot-protocol variants to measure: 'shm' (sleep on futex "
-                        "doorbells), 'shm-spin' (both ends busy-poll 2 ms before sleeping), "
+    parser.add_argument("--backends", type=variants_arg, default="shm,shm-sleep,mooncake,device",
+                        help="slot-protocol variants to measure: 'shm' (the default wait: "
+                        "busy-poll, yielding, then sleep), 'shm-sleep' (sleep on the futex "
+                        "doorbells at once), "
                         "'mooncake' (Transfer Engine, loopback TCP), 'device' (Triton kernels "
                         "under the CPU interpreter: batch sizes 1-8 and a tenth of the "
                         "iterations only); default %(default)s")
@@ -553,7 +559,7 @@ def main() -> None:
           f"({time.monotonic() - began:.0f} s in all):\n")
     print(main_table(plan, results))
     if GOAL_BS in plan.batch_sizes:
-        for variant in ("shm", "shm-spin"):
+        for variant in ("shm", "shm-sleep"):
             if variant in results:
                 print(f"\n{goal_verdict(results, variant)}")
     print("\nEvery backend, 1 client x 1 server, medians in microseconds:\n")
