@@ -29,6 +29,9 @@ from ibgda.region import (
 )
 
 WAIT_SPINS = 64  # polls per wait launch; the host relaunches until its timeout
+# A lower bound of one interpreted poll: the interpreter has no clock, so a wait launched for
+# ``timeout`` seconds polls ``timeout / POLL_SECONDS`` times (it lasts at least ``timeout``).
+POLL_SECONDS = 10e-6
 
 
 def _kernels():
@@ -98,6 +101,14 @@ class DeviceRemoteRegion(RemoteRegion):
             k.wait_flag_kernel[(1,)](self.words, word, value, self.status, WAIT_SPINS)
             if self.status[0].item() or time.monotonic() >= deadline:
                 return bool(self.status[0].item())
+
+    def launch_wait_flag(self, offset: int, value: int, status: torch.Tensor,
+                         timeout: float) -> None:
+        """One wait launch that polls until the flag equals ``value`` or ``timeout`` passed and
+        writes ``status`` (int32 ``[reached, last byte seen]``); nothing is read back, so it can
+        sit in a captured graph."""
+        self.kernels.wait_flag_kernel[(1,)](self.words, self._flag_word(offset), value, status,
+                                            max(1, int(timeout / POLL_SECONDS)))
 
     def read(self, offset: int, out: torch.Tensor) -> None:
         if not out.is_contiguous():

@@ -140,10 +140,16 @@ class CudaRemoteRegion(RemoteRegion):
         return int(self.status[1].item())
 
     def _wait(self, offset: int, value: int, timeout: float) -> bool:
+        self.launch_wait_flag(offset, value, self.status, timeout)
+        return bool(self.status[0].item())  # synchronizes with the wait kernel
+
+    def launch_wait_flag(self, offset: int, value: int, status: torch.Tensor,
+                         timeout: float) -> None:
+        """Enqueue one wait kernel (acquire-poll up to ``timeout``) that writes ``status``
+        (device int32 ``[reached, last byte seen]``); nothing is read back to the host."""
         check_bounds(self.handle, offset, 4)
         self._native.wait_flag(self.address, self.handle.size, offset, value,
-                               int(timeout * 1e9), self.status.data_ptr(), _stream())
-        return bool(self.status[0].item())  # synchronizes with the wait kernel
+                               int(timeout * 1e9), status.data_ptr(), _stream())
 
     def wait_flag(self, offset: int, value: int, timeout: float, bell: int | None = None,
                   spin: float = 0.0) -> bool:
