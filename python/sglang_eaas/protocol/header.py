@@ -83,6 +83,8 @@ class RequestHeader:
     payload_bytes: int
 
     _FMT = struct.Struct("<IHBxIIIIQQ")
+    SEQ_AT = struct.calcsize("<IHBxIIII")  # byte offset of seq (the device path stamps it)
+    BODY_BYTES = _FMT.size  # the checksum follows
 
     def pack(self) -> bytes:
         return _pack(self._FMT, MAGIC, VERSION, self.dtype, self.layer_id, self.num_tokens,
@@ -111,6 +113,10 @@ class ResultHeader:
     reason: RejectReason = RejectReason.NONE
 
     _FMT = struct.Struct("<IHBxQII")
+    # Byte offsets of the fields the device path checks.
+    STATUS_AT, SEQ_AT = struct.calcsize("<IH"), struct.calcsize("<IHBx")
+    TOKENS_AT, REASON_AT = struct.calcsize("<IHBxQ"), struct.calcsize("<IHBxQI")
+    BODY_BYTES = _FMT.size
 
     def pack(self) -> bytes:
         return _pack(self._FMT, MAGIC, VERSION, self.status, self.seq, self.num_tokens,
