@@ -114,6 +114,8 @@ def test_transports_match_monolithic(tiny_qwen3, expected, transport):
                             transport, name=f"eaas-{transport}", env=env)
     _check(expected, tokens, log)
     assert f"over {transport}" in log  # every connection used it
+    # On device, no host step in the exchange (client/device_step.py) drove these tokens.
+    assert ("the exchange runs on the device" in log) == (transport == "device")
 
 
 def test_uneven_placement_with_replicas(tiny_qwen3, expected, tmp_path):

@@ -8,6 +8,7 @@ import torch
 from ibgda import TransportError
 from sglang_eaas import transports
 from sglang_eaas.client.connection import ServerConnection
+from sglang_eaas.client.device_step import DeviceStep, drives_devices
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import ExpertRouting, PlacementError
 from sglang_eaas.protocol.slot import DTYPES_BY_NAME, POLL_SPIN_US
@@ -39,6 +40,9 @@ class EaasClient:
             self.close()
             raise
         self.max_tokens = min(c.layout.max_tokens for c in self.connections)
+        # Where every server is reached by kernels, the whole exchange runs on the device.
+        self.device_step = (DeviceStep(self.connections, self.routing, result_timeout)
+                            if all(drives_devices(c) for c in self.connections) else None)
 
     def forward(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
@@ -49,24 +53,25 @@ class EaasClient:
         Returns:
             ``[T, H]`` in ``hidden.dtype``: partial sums added in server order (deterministic).
         """
+        if self.device_step is not None:
+            return self.device_step.forward(layer_id, hidden, topk_ids, topk_weights)
         out = torch.zeros_like(hidden)
-        ids_np = topk_ids.cpu().numpy()
-        server_of = self.routing.assign(ids_np)
-        plans = []
-        for index in np.unique(server_of[server_of >= 0]).tolist():
-            mask = server_of == index
-            rows = np.flatnonzero(mask.any(axis=1))
-            ids = torch.from_numpy(np.where(mask, ids_np, -1)[rows].astype(np.int32))
-            rows = torch.from_numpy(rows).to(hidden.device)
-            plans.append((self.connections[index], rows, ids, topk_weights[rows].float()))
-        longest = max((rows.numel() for _, rows, _, _ in plans), default=0)
-        for start in range(0, longest, self.max_tokens):
+        all_ids = topk_ids.cpu().numpy()
+        all_servers = self.routing.assign(all_ids)
+        # Chunks of max_tokens consecutive tokens, as the device path makes them, so that each
+        # server computes the same batches (and bits) on both paths.
+        for start in range(0, hidden.shape[0], self.max_tokens):
+            ids_np = all_ids[start : start + self.max_tokens]
+            server_of = all_servers[start : start + self.max_tokens]
             sent = []
-            for conn, rows, ids, weights in plans:
-                chunk = slice(start, start + self.max_tokens)
-                if rows[chunk].numel():
-                    conn.slot.send(layer_id, hidden[rows[chunk]], ids[chunk], weights[chunk])
-                    sent.append((conn, rows[chunk]))
+            for index in np.unique(server_of[server_of >= 0]).tolist():
+                mask = server_of == index
+                rows = np.flatnonzero(mask.any(axis=1))
+                ids = torch.from_numpy(np.where(mask, ids_np, -1)[rows].astype(np.int32))
+                rows = torch.from_numpy(rows + start).to(hidden.device)
+                conn = self.connections[index]
+                conn.slot.send(layer_id, hidden[rows], ids, topk_weights[rows].float())
+                sent.append((conn, rows))
             for conn, rows in sent:
                 self._wait(conn, layer_id)
                 out.index_add_(0, rows, conn.slot.result().to(out.device))

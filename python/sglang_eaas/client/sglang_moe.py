@@ -40,9 +40,10 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
                              expected_experts=expected, transport=cfg.transport,
                              poll_spin=cfg.poll_spin_us * 1e-6)
         atexit.register(_client.close)
-        logger.info("sglang-eaas: %s joined expert servers %s over %s", name,
+        logger.info("sglang-eaas: %s joined expert servers %s over %s%s", name,
                     ", ".join(cfg.expert_servers.addresses),
-                    ", ".join(sorted({c.region.handle.backend for c in _client.connections})))
+                    ", ".join(sorted({c.region.handle.backend for c in _client.connections})),
+                    "; the exchange runs on the device" if _client.device_step else "")
     return _client
 
 

@@ -1,0 +1,156 @@
+"""``DeviceStep``: a client's exchange with its expert servers as device work only.
+
+On the ``device`` transport every remote access is a kernel, so the whole exchange of one MoE
+layer can be enqueued without the host reading anything back, which is what lets a decode step
+be captured in one CUDA graph (the paper's §4.3):
+
+  routing      ``ExpertRouting.assign_tensor`` (torch ops) picks a server per (token, k);
+  dispatch     per server, ``stamp_request`` bumps the slot's device sequence counter into a
+               header template, then one ``put_signal`` writes hidden states, expert ids (-1
+               where another server computes), router weights and header, and release-stores
+               CLIENT_WRITE_DONE;
+  combine      per server, one wait launch acquire-polls SERVER_DONE into a status tensor, one
+               read brings the result header and rows, ``check_result`` judges the header into
+               the same status tensor, and the rows are added to the output in server order.
+
+Every server gets every token of the batch (dispatch is dense: the host cannot pick rows
+without reading the routing back); rows it holds no expert for come back as zeros. Errors are
+sticky in the status tensors and ``check`` raises them on the host, after the step (at once
+unless a CUDA graph is being captured). The protocol is the host path's, byte for byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ibgda import TransportError
+from sglang_eaas.client.connection import ServerConnection
+from sglang_eaas.placement import ExpertRouting
+from sglang_eaas.protocol.flags import SlotState
+from sglang_eaas.protocol.header import HEADER_BYTES, RejectReason, RequestHeader
+from sglang_eaas.protocol.slot import TORCH_DTYPES
+
+
+def _kernels():
+    """``protocol.device_header``, imported on first use: Triton decides at import whether its
+    kernels run interpreted, and the CPU twin sets ``TRITON_INTERPRET`` only when it is used."""
+    from sglang_eaas.protocol import device_header
+
+    return device_header
+
+
+def drives_devices(conn: ServerConnection) -> bool:
+    """Whether ``conn``'s region is reached by kernels that can wait without the host."""
+    return hasattr(conn.region, "launch_wait_flag")
+
+
+class DeviceChannel:
+    """One server's slot driven by kernels: ``dispatch``, then ``combine``."""
+
+    def __init__(self, conn: ServerConnection, table: torch.Tensor, timeout: float):
+        slot = conn.slot
+        self.address, self.region, self.layout = conn.address, conn.region, slot.layout
+        self.base, self.timeout, self.table = slot.base, timeout, table
+        self.dtype = TORCH_DTYPES[self.layout.dtype]
+        device = table.device
+        self.seq = torch.tensor([slot.seq], dtype=torch.int64, device=device)
+        # [reached, last flag byte, first DeviceCheck failure, its reject reason]
+        self.status = torch.zeros(4, dtype=torch.int32, device=device)
+        self._headers: dict[tuple[int, int], torch.Tensor] = {}
+        self._answers: dict[int, torch.Tensor] = {}
+        self._tokens = 0
+
+    def _header(self, layer_id: int, tokens: int) -> torch.Tensor:
+        """The request header template of (layer, tokens); kept, as a graph would refer to it."""
+        key = (layer_id, tokens)
+        if key not in self._headers:
+            layout = self.layout
+            packed = RequestHeader(layer_id, tokens, layout.top_k, layout.hidden_size,
+                                   layout.dtype, 0, layout.payload_bytes(tokens)).pack()
+            self._headers[key] = torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(
+                self.table.device)
+        return self._headers[key]
+
+    def dispatch(self, layer_id: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                 router_weights: torch.Tensor) -> None:
+        """Publish one request: two launches (stamp the header, then put it all and signal)."""
+        layout, base, tokens = self.layout, self.base, hidden.shape[0]
+        header = self._header(layer_id, tokens)
+        _kernels().stamp_request(header, self.seq, self.table)
+        # The owner polls on device backends: there is no doorbell to ring.
+        self.region.put_signal([
+            (base + layout.hidden, hidden.to(self.dtype)),
+            (base + layout.expert_ids, expert_ids.to(torch.int32)),
+            (base + layout.router_weights, router_weights.to(torch.float32)),
+            (base + layout.request_header, header),
+        ], base + layout.flag, SlotState.CLIENT_WRITE_DONE)
+        self._tokens = tokens
+
+    def combine(self, out: torch.Tensor) -> None:
+        """Wait for the answer to the last dispatch, check it and add its rows to ``out``."""
+        layout, tokens = self.layout, self._tokens
+        self.region.launch_wait_flag(self.base + layout.flag, SlotState.SERVER_DONE,
+                                     self.status, self.timeout)
+        nbytes = HEADER_BYTES + tokens * layout.hidden_size * self.dtype.itemsize
+        if tokens not in self._answers:
+            self._answers[tokens] = torch.empty(nbytes, dtype=torch.uint8, device=out.device)
+        answer = self._answers[tokens]
+        self.region.read(self.base + layout.result_header, answer)  # header, then the rows
+        _kernels().check_result(answer, self.seq, tokens, self.table, self.status)
+        out.add_(answer[HEADER_BYTES:].view(self.dtype).view(tokens, layout.hidden_size))
+
+    def check(self) -> None:
+        """Raise ``TransportError`` for the first failure since the last check (a host read)."""
+        _, _, code, reason = self.status.tolist()
+        if code == 0:
+            return
+        DeviceCheck = _kernels().DeviceCheck
+        self.status.zero_()
+        detail = {DeviceCheck.NO_ANSWER: f"did not answer within {self.timeout:.0f}s",
+                  DeviceCheck.BAD_HEADER: "answered with a corrupt result header",
+                  DeviceCheck.REJECTED: f"rejected a request: {RejectReason(reason).name}",
+                  DeviceCheck.WRONG_ANSWER: "answered another request"}[DeviceCheck(code)]
+        raise TransportError(f"expert server {self.address} {detail} (device path)")
+
+
+class DeviceStep:
+    """Every server's ``DeviceChannel``, with routing on the device."""
+
+    def __init__(self, connections: list[ServerConnection], routing: ExpertRouting,
+                 timeout: float, device: torch.device | str = "cpu"):
+        table = _kernels().crc32_table(device)
+        self.channels = [DeviceChannel(c, table, timeout) for c in connections]
+        self.routing = routing
+        self.max_tokens = min(ch.layout.max_tokens for ch in self.channels)
+
+    def run(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+            topk_weights: torch.Tensor) -> torch.Tensor:
+        """Enqueue one layer's exchange; nothing is read back to the host.
+
+        Returns ``[T, H]``: every server's partial sums added in server order, as the host path
+        (``EaasClient.forward``) adds them.
+        """
+        server = self.routing.assign_tensor(topk_ids)
+        weights = topk_weights.float()
+        out = torch.zeros_like(hidden)
+        for start in range(0, hidden.shape[0], self.max_tokens):
+            chunk = slice(start, start + self.max_tokens)
+            for index, channel in enumerate(self.channels):
+                ids = torch.where(server[chunk] == index, topk_ids[chunk], -1)
+                channel.dispatch(layer_id, hidden[chunk], ids, weights[chunk])
+            for channel in self.channels:
+                channel.combine(out[chunk])
+        return out
+
+    def check(self) -> None:
+        for channel in self.channels:
+            channel.check()
+
+    def forward(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """``run``, then ``check`` unless a CUDA graph is being captured (the host reads the
+        status after the graph's replay then)."""
+        out = self.run(layer_id, hidden, topk_ids, topk_weights)
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            self.check()
+        return out

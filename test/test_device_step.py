@@ -1,0 +1,188 @@
+"""The client's device path (client/device_step.py) under the Triton interpreter: header kernels
+against the host's struct code, device routing against the host's, and whole exchanges with
+real expert servers that must equal the host path bit for bit and read nothing back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import open_log
+from sglang_eaas.client.client import EaasClient
+from sglang_eaas.client.local_servers import start_local_servers
+from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.placement import ExpertRouting
+from sglang_eaas.protocol.header import (
+    DType, RejectReason, RequestHeader, ResultHeader, ResultStatus,
+)
+
+from ibgda import TransportError
+
+PLACEMENT = [[0, 1, 2, 3], [4, 5, 6, 7, 0]]  # expert 0 has a replica
+MAX_TOKENS = 16  # per request, so a batch of 40 tokens is split in three
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """``protocol.device_header``, imported with the interpreter on (Triton decides at import)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        from sglang_eaas.protocol import device_header
+
+        yield device_header
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_qwen3, kernels):
+    """Two device-transport servers with room for three clients."""
+    log = open_log("device-step-servers")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        local = start_local_servers(tiny_qwen3, PLACEMENT, "float32", max_clients=3,
+                                    extra_args=("--transport", "device", "--max-tokens",
+                                                str(MAX_TOKENS)), stdout=log)
+        yield local
+    for s in local:
+        s.stop()
+    log.close()
+
+
+@pytest.fixture()
+def client_of(servers, tiny_qwen3):
+    """``client_of(name)``: an EaasClient over the device transport, closed after the test."""
+    info, made = MoeModelInfo.from_model_path(tiny_qwen3), []
+
+    def make(name: str, timeout: float = 60.0) -> EaasClient:
+        made.append(EaasClient([s.address for s in servers], info, torch.float32, name,
+                               result_timeout=timeout, transport="device"))
+        return made[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield make
+    for client in made:
+        client.close()
+
+
+def _batch(info: MoeModelInfo, tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, info.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(info.num_experts, generator=g)[:info.top_k]
+                       for _ in range(tokens)])
+    return x, ids, torch.rand(tokens, info.top_k, generator=g)
+
+
+def _tensor(packed: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(packed), dtype=torch.uint8).clone()
+
+
+@pytest.mark.parametrize("layer, tokens, dtype", [(0, 1, DType.FLOAT32), (61, 512, DType.BFLOAT16)])
+def test_stamped_request_header_is_the_host_header(kernels, layer, tokens, dtype):
+    template = _tensor(RequestHeader(layer, tokens, 8, 7168, dtype, 0, 12345).pack())
+    seq, table = torch.tensor([2**40 + 6], dtype=torch.int64), kernels.crc32_table()
+    for expected in (2**40 + 7, 2**40 + 8):
+        kernels.stamp_request(template, seq, table)
+        assert seq.item() == expected
+        assert bytes(template.numpy()) == RequestHeader(layer, tokens, 8, 7168, dtype,
+                                                        expected, 12345).pack()
+
+
+def test_result_check_agrees_with_the_host_and_keeps_the_first_failure(kernels):
+    seq, table = torch.tensor([42], dtype=torch.int64), kernels.crc32_table()
+    ok = ResultHeader(ResultStatus.OK, 42, 5).pack()
+    corrupt = bytearray(ok)
+    corrupt[10] ^= 1
+    check = kernels.DeviceCheck
+    rejected = ResultHeader(ResultStatus.REJECTED, 42, 0, RejectReason.FOREIGN_EXPERT).pack()
+    cases = [  # (answer header, reached, tokens expected) -> DeviceCheck, reason
+        ((ok, 1, 5), (check.OK, 0)),
+        ((ResultHeader(ResultStatus.OK, 41, 5).pack(), 1, 5), (check.WRONG_ANSWER, 0)),
+        ((ok, 1, 4), (check.WRONG_ANSWER, 0)),
+        ((rejected, 1, 5), (check.REJECTED, RejectReason.FOREIGN_EXPERT)),
+        ((bytes(corrupt), 1, 5), (check.BAD_HEADER, 0)),
+        ((ok, 0, 5), (check.NO_ANSWER, 0)),
+    ]
+    for (header, reached, tokens), (code, reason) in cases:
+        status = torch.tensor([reached, 2, 0, 0], dtype=torch.int32)
+        kernels.check_result(_tensor(header), seq, tokens, table, status)
+        assert status[2:].tolist() == [code, reason], (header, reached, tokens)
+    # Sticky: a later good answer does not hide an earlier failure from the host.
+    status = torch.tensor([1, 2, 0, 0], dtype=torch.int32)
+    kernels.check_result(_tensor(rejected), seq, 5, table, status)
+    kernels.check_result(_tensor(ok), seq, 5, table, status)
+    assert status[2:].tolist() == [check.REJECTED, RejectReason.FOREIGN_EXPERT]
+
+
+@pytest.mark.parametrize("placement", [[[0, 1, 2, 3], [4, 5, 6, 7]], PLACEMENT,
+                                       [[0, 1, 2, 3, 4], [3, 4, 5, 6, 7], [0, 7, 2]]])
+def test_device_routing_is_the_host_routing(placement):
+    routing, rng = ExpertRouting(placement, 8), np.random.default_rng(len(placement[0]))
+    for _ in range(30):
+        ids = rng.integers(-1, 8, size=(int(rng.integers(1, 40)), 2))
+        assert np.array_equal(routing.assign_tensor(torch.from_numpy(ids)).numpy(),
+                              routing.assign(ids))
+
+
+def test_device_exchange_equals_the_host_exchange(client_of, tiny_qwen3):
+    """Dense device dispatch (every token to every server) and the host path's sparse one give
+    the same bits, over replicas and a batch split in three requests."""
+    info = MoeModelInfo.from_model_path(tiny_qwen3)
+    device, host = client_of("device-path"), client_of("host-path")
+    assert device.device_step is not None
+    host.device_step = None  # the host path over the same backend (its own slots and seqs)
+    for layer, tokens in [(0, 1), (1, 40)]:
+        x, ids, weights = _batch(info, tokens, seed=tokens)
+        got = device.forward(layer, x, ids, weights)
+        assert torch.equal(got, host.forward(layer, x, ids, weights))
+        assert got.abs().sum() > 0
+
+
+def test_the_device_exchange_reads_nothing_back(client_of, tiny_qwen3):
+    """No call in the step's own code reads a tensor back to the host (what would break CUDA
+    graph capture); the host check afterwards does, and is seen doing it."""
+    info = MoeModelInfo.from_model_path(tiny_qwen3)
+    step = client_of("capture-like").device_step
+    x, ids, weights = _batch(info, 3, seed=3)
+    step.forward(0, x, ids, weights)  # first use: header templates and buffers are made
+    ours = {os.path.realpath(m.__file__) for m in (
+        sys.modules["sglang_eaas.client.device_step"], sys.modules["sglang_eaas.placement"],
+        sys.modules["sglang_eaas.protocol.device_header"], sys.modules["ibgda.backends.device"])}
+    host_reads = {"item", "tolist", "numpy", "cpu", "synchronize"}
+    seen: list[str] = []
+
+    def watch(frame, event, arg):
+        if (event == "c_call" and getattr(arg, "__name__", "") in host_reads
+                and os.path.realpath(frame.f_code.co_filename) in ours):
+            seen.append(f"{arg.__name__} in {frame.f_code.co_name}")
+
+    sys.setprofile(watch)
+    try:
+        out = step.run(0, x, ids, weights)
+        assert not seen, seen
+        step.check()
+    finally:
+        sys.setprofile(None)
+    assert seen == ["tolist in check"] * len(step.channels)  # the watcher does see host reads
+    assert out.abs().sum() > 0
+
+
+def test_device_path_failures_reach_the_host(client_of, servers, tiny_qwen3):
+    """A rejected request and a server that does not answer are raised by the host check."""
+    info = MoeModelInfo.from_model_path(tiny_qwen3)
+    x, ids, weights = _batch(info, 2, seed=2)
+    wrong = client_of("wrong-routing")
+    # A client that believes server 0 holds every expert sends it experts it does not hold.
+    wrong.device_step.routing = ExpertRouting([list(range(8)), [0]], 8)
+    with pytest.raises(TransportError, match="rejected a request: FOREIGN_EXPERT"):
+        wrong.forward(0, x, torch.tensor([[5, 6], [7, 4]]), weights)
+    patient = client_of("patient", timeout=0.5)
+    os.kill(servers[1].process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TransportError, match=f"{servers[1].address} did not answer"):
+            patient.forward(0, x, ids, weights)
+    finally:
+        os.kill(servers[1].process.pid, signal.SIGCONT)
