@@ -10,11 +10,12 @@ import importlib.util
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from ibgda import RegionHandle, TransportError, build_native, create_transport
-from ibgda.backends import device_cuda
+from ibgda.backends import device_cuda, device_nvshmem
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +108,59 @@ def test_a_cuda_region_of_this_node_needs_the_module_then_a_gpu(native, monkeypa
     monkeypatch.setattr(device_cuda, "native", lambda: native)
     with pytest.raises(RuntimeError, match="cudaIpcOpenMemHandle failed"):
         create_transport("device").connect(handle)
+
+
+# The NVSHMEM job mode (ibgda/backends/device_nvshmem.py): what runs without a GPU. Joining a
+# job does not: NVSHMEM aborts the process when it finds no GPU, so no test joins one.
+
+
+def test_an_nvshmem_job_spec_is_checked():
+    spec = device_nvshmem.JobSpec.parse("2/4@/shared/job.uid")
+    assert (spec.rank, spec.nranks, str(spec.uid_file)) == (2, 4, "/shared/job.uid")
+    for bad in ("4/4@/x", "1/4", "a/4@/x", "1-4@/x", "1/4@"):
+        with pytest.raises(TransportError, match="is not RANK/NRANKS@UID_FILE"):
+            device_nvshmem.JobSpec.parse(bad)
+
+
+def test_regions_are_carved_from_the_slab_without_any_collective():
+    slab = device_nvshmem.SlabAllocator(4096)
+    a, b, c = slab.allocate(1), slab.allocate(300), slab.allocate(256)
+    assert (a, b, c) == (0, 256, 768)  # aligned starts, first fit
+    with pytest.raises(TransportError, match="no 3328 free bytes left .*IBGDA_NVSHMEM_SLAB_MB"):
+        slab.allocate(3073)  # 3072 are left, after c
+    slab.free(a)
+    slab.free(b)  # coalesces with a's range: 768 contiguous bytes at 0
+    assert slab.allocate(700) == 0
+    assert slab.allocate(3072) == 1024  # the tail, up to the end
+
+
+class _FakeNvshmem:
+    HAS_NVSHMEM = True
+
+    def nvshmem_unique_id(self) -> bytes:
+        return b"\x07" * 128
+
+
+def test_rank_zero_publishes_the_unique_id_and_the_others_wait_for_it(tmp_path, monkeypatch):
+    uid_file = tmp_path / "job.uid"
+    member = device_nvshmem.JobSpec(1, 2, uid_file)
+    monkeypatch.setattr(device_nvshmem, "UID_WAIT", 0.3)
+    with pytest.raises(TransportError, match="no NVSHMEM unique id at .*is rank 0 of the job up"):
+        device_nvshmem._exchange_unique_id(member, _FakeNvshmem())
+    root = device_nvshmem.JobSpec(0, 2, uid_file)
+    assert device_nvshmem._exchange_unique_id(root, _FakeNvshmem()) == b"\x07" * 128
+    assert device_nvshmem._exchange_unique_id(member, _FakeNvshmem()) == b"\x07" * 128
+
+
+def test_nvshmem_regions_are_refused_outside_their_job(monkeypatch):
+    monkeypatch.delenv(device_nvshmem.JOB_ENV, raising=False)
+    handle = RegionHandle("device", "nvshmem:0123456789abcdef:3:4096", 8192)
+    with pytest.raises(TransportError, match="belongs to NVSHMEM job 0123456789abcdef, and this "
+                                             "process is in no NVSHMEM job"):
+        create_transport("device").connect(handle)
+    with pytest.raises(TransportError, match="malformed NVSHMEM region name"):
+        create_transport("device").connect(RegionHandle("device", "nvshmem:x:y", 8))
+    without = type("Module", (), {"HAS_NVSHMEM": False})()
+    monkeypatch.setattr(device_nvshmem, "native", lambda: without)
+    with pytest.raises(TransportError, match="built without NVSHMEM"):
+        device_nvshmem.NvshmemJob(device_nvshmem.JobSpec(0, 2, Path(__file__)))

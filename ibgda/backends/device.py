@@ -6,7 +6,9 @@ them, so a decode step built from them can be captured in a CUDA graph.
 
 Where the memory lives:
   * GPU nodes (``ibgda.backends.device_cuda``, never run: no GPU here): device memory shared
-    over CUDA IPC, accessed by the native kernels of ``ibgda/csrc/device``.
+    over CUDA IPC, accessed by the native kernels of ``ibgda/csrc/device``; in a process that
+    belongs to an NVSHMEM job (``ibgda.backends.device_nvshmem``, never run), a range of the
+    job's symmetric slab that every member reaches, across nodes too.
   * CPU (the twin every test drives): ``TRITON_INTERPRET=1`` runs the Triton kernels of
     ``ibgda.kernels`` (the same algorithm) on ``/dev/shm`` tensors shared across processes.
 
@@ -21,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from ibgda.backends import device_cuda
+from ibgda.backends import device_cuda, device_nvshmem
 from ibgda.backends.shm import ShmTransport, map_shm
 from ibgda.host_memory import HostMemory
 from ibgda.region import (
@@ -133,11 +135,16 @@ class DeviceTransport(ShmTransport):
 
     def create_region(self, size: int) -> LocalRegion:
         if torch.cuda.is_available():
+            member = device_nvshmem.job()  # in an NVSHMEM job: reachable across nodes
+            if member is not None:
+                return device_nvshmem.NvshmemLocalRegion(member, size)
             return device_cuda.CudaLocalRegion(size)
         return super().create_region(size)
 
     def connect(self, handle: RegionHandle) -> RemoteRegion:
         self._check_backend(handle)
+        if device_nvshmem.is_nvshmem_handle(handle):
+            return device_nvshmem.NvshmemRemoteRegion(handle, device_nvshmem.job())
         if device_cuda.is_cuda_handle(handle):
             return device_cuda.CudaRemoteRegion(handle)
         return DeviceRemoteRegion(map_shm(handle, create=False))

@@ -11,6 +11,7 @@ node, so a handle from another node is refused (across nodes use ``mooncake``).
 
 from __future__ import annotations
 
+import abc
 import socket
 from functools import cache
 from pathlib import Path
@@ -47,7 +48,8 @@ def native():
     return _device_cuda
 
 
-def _stream() -> int:
+def stream_handle() -> int:
+    """The current CUDA stream, as the native module takes it."""
     return torch.cuda.current_stream().cuda_stream
 
 
@@ -61,16 +63,13 @@ def _wrap(address: int, size: int) -> torch.Tensor:
     return torch.as_tensor(_Memory(), device="cuda")
 
 
-class CudaLocalRegion(LocalRegion):
-    """Device memory peers on this node write into; the owner polls it (kernels cannot wake
-    a host thread)."""
+class DeviceMemoryRegion(LocalRegion):
+    """The owner's side of device memory at ``address``: peers write into it, the owner polls
+    it (kernels cannot wake a host thread). Subclasses allocate, name and free it."""
 
-    def __init__(self, size: int):
-        self._native = native()
-        self.address = self._native.alloc_region(size)
-        ipc = self._native.export_region(self.address).hex()
-        self.handle = RegionHandle("device", f"{PREFIX}{node_id()}:{ipc}", size)
-        self.bytes = _wrap(self.address, size)
+    def __init__(self, address: int, handle: RegionHandle):
+        self.address, self.handle = address, handle
+        self.bytes = _wrap(address, handle.size)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         check_bounds(self.handle, offset, nbytes)
@@ -93,6 +92,16 @@ class CudaLocalRegion(LocalRegion):
     def notify(self, offset: int) -> None:
         self._word(offset).add_(1)
 
+
+class CudaLocalRegion(DeviceMemoryRegion):
+    """``cudaMalloc``'d memory exported to peers of this node over CUDA IPC."""
+
+    def __init__(self, size: int):
+        self._native = native()
+        address = self._native.alloc_region(size)
+        ipc = self._native.export_region(address).hex()
+        super().__init__(address, RegionHandle("device", f"{PREFIX}{node_id()}:{ipc}", size))
+
     def close(self) -> None:
         if self.address:
             torch.cuda.current_stream().synchronize()
@@ -101,19 +110,24 @@ class CudaLocalRegion(LocalRegion):
             self.address = 0
 
 
-class CudaRemoteRegion(RemoteRegion):
-    """A same-node peer's device region, mapped here; every access is one kernel launch."""
+class DeviceRemoteRegionBase(RemoteRegion):
+    """A peer's device region reached by native kernels, one launch per access. Subclasses
+    open it (``address``) and say how the three kernels reach it."""
 
-    def __init__(self, handle: RegionHandle):
-        node, _, ipc = handle.name.removeprefix(PREFIX).rpartition(":")
-        if node != node_id():
-            raise TransportError(f"region {handle.name[:60]}... lives on node {node!r}, not "
-                                 f"here ({node_id()!r}): CUDA IPC only reaches GPUs of one "
-                                 "node; use --eaas-transport mooncake across nodes")
-        self.handle, self._native = handle, native()
-        self.address = self._native.open_region(bytes.fromhex(ipc))
+    def __init__(self, handle: RegionHandle, address: int):
+        self.handle, self.address = handle, address
         self.arrivals = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.status = torch.zeros(2, dtype=torch.int32, device="cuda")
+
+    @abc.abstractmethod
+    def _launch_put(self, sections: list[tuple[int, int, int]], flag_offset: int,
+                    value: int) -> None: ...
+
+    @abc.abstractmethod
+    def _launch_wait(self, offset: int, value: int, timeout_ns: int, status: int) -> None: ...
+
+    @abc.abstractmethod
+    def _launch_read(self, offset: int, out: int, nbytes: int) -> None: ...
 
     def put_signal(self, writes: Sequence[Write], flag_offset: int | None, value: int) -> None:
         """One launch: every section, then (unless ``flag_offset`` is None) the flag."""
@@ -125,9 +139,7 @@ class CudaRemoteRegion(RemoteRegion):
             keep.append(src)
         if flag_offset is not None:
             check_bounds(self.handle, flag_offset, 4)
-        self._native.put_signal(self.address, self.handle.size, sections,
-                                NO_FLAG if flag_offset is None else flag_offset, value,
-                                self.arrivals.data_ptr(), _stream())
+        self._launch_put(sections, NO_FLAG if flag_offset is None else flag_offset, value)
 
     def write(self, offset: int, data: torch.Tensor) -> None:
         self.put_signal([(offset, data)], None, 0)
@@ -148,8 +160,7 @@ class CudaRemoteRegion(RemoteRegion):
         """Enqueue one wait kernel (acquire-poll up to ``timeout``) that writes ``status``
         (device int32 ``[reached, last byte seen]``); nothing is read back to the host."""
         check_bounds(self.handle, offset, 4)
-        self._native.wait_flag(self.address, self.handle.size, offset, value,
-                               int(timeout * 1e9), status.data_ptr(), _stream())
+        self._launch_wait(offset, value, int(timeout * 1e9), status.data_ptr())
 
     def wait_flag(self, offset: int, value: int, timeout: float, bell: int | None = None,
                   spin: float = 0.0) -> bool:
@@ -162,10 +173,35 @@ class CudaRemoteRegion(RemoteRegion):
         dst = as_bytes(out) if out.is_cuda else torch.empty(out.numel() * out.element_size(),
                                                             dtype=torch.uint8, device="cuda")
         check_bounds(self.handle, offset, dst.numel())
-        self._native.read(self.address, self.handle.size, offset, dst.data_ptr(), dst.numel(),
-                          _stream())
+        self._launch_read(offset, dst.data_ptr(), dst.numel())
         if not out.is_cuda:
             as_bytes(out).copy_(dst)
+
+
+class CudaRemoteRegion(DeviceRemoteRegionBase):
+    """A same-node peer's device region, mapped here over CUDA IPC."""
+
+    def __init__(self, handle: RegionHandle):
+        node, _, ipc = handle.name.removeprefix(PREFIX).rpartition(":")
+        if node != node_id():
+            raise TransportError(f"region {handle.name[:60]}... lives on node {node!r}, not "
+                                 f"here ({node_id()!r}): CUDA IPC only reaches GPUs of one "
+                                 "node; across nodes use --eaas-transport mooncake, or put "
+                                 "both ends in one NVSHMEM job (IBGDA_NVSHMEM_JOB)")
+        self._native = native()
+        super().__init__(handle, self._native.open_region(bytes.fromhex(ipc)))
+
+    def _launch_put(self, sections, flag_offset, value):
+        self._native.put_signal(self.address, self.handle.size, sections, flag_offset, value,
+                                self.arrivals.data_ptr(), stream_handle())
+
+    def _launch_wait(self, offset, value, timeout_ns, status):
+        self._native.wait_flag(self.address, self.handle.size, offset, value, timeout_ns,
+                               status, stream_handle())
+
+    def _launch_read(self, offset, out, nbytes):
+        self._native.read(self.address, self.handle.size, offset, out, nbytes,
+                          stream_handle())
 
     def close(self) -> None:
         if self.address:
