@@ -17,6 +17,8 @@ Every server gets every token of the batch (dispatch is dense: the host cannot p
 without reading the routing back); rows it holds no expert for come back as zeros. Errors are
 sticky in the status tensors and ``check`` raises them on the host, after the step (at once
 unless a CUDA graph is being captured). The protocol is the host path's, byte for byte.
+Header templates and answer buffers are made on the first step of each shape, which a graph
+runner's warm-up steps (SGLang runs some before capturing) take care of.
 """
 
 from __future__ import annotations
@@ -117,8 +119,9 @@ class DeviceStep:
     """Every server's ``DeviceChannel``, with routing on the device."""
 
     def __init__(self, connections: list[ServerConnection], routing: ExpertRouting,
-                 timeout: float, device: torch.device | str = "cpu"):
-        table = _kernels().crc32_table(device)
+                 timeout: float):
+        # GPU memory where the device backend runs natively, host memory for its CPU twin.
+        table = _kernels().crc32_table("cuda" if torch.cuda.is_available() else "cpu")
         self.channels = [DeviceChannel(c, table, timeout) for c in connections]
         self.routing = routing
         self.max_tokens = min(ch.layout.max_tokens for ch in self.channels)
