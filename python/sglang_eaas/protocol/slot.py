@@ -77,7 +77,7 @@ class ClientSlot:
             views.hidden[:tokens].copy_(hidden)
             views.expert_ids[:tokens].copy_(expert_ids)
             views.router_weights[:tokens].copy_(router_weights)
-            views.request_header[: len(header)] = header
+            views.request_header.write(header)
             self.region.store_flag(self._flag, SlotState.CLIENT_WRITE_DONE)
         else:
             base = self.base
@@ -110,7 +110,7 @@ class ClientSlot:
             raise ProtocolError("result read before the server published it")
         tokens, views = self._tokens, self._views
         if views is not None:
-            header, result = bytes(views.result_header), views.result[:tokens]
+            header, result = views.result_header.read(), views.result[:tokens]
         else:
             nbytes = HEADER_BYTES + tokens * self.layout.hidden_size * self.dtype.itemsize
             if self._inbox.numel() < nbytes:
@@ -137,7 +137,7 @@ class ClientSlot:
 
 class _SlotViews:
     """Typed full-capacity views of one slot's sections, made from a ``uint8 [size]`` view of
-    the slot in host memory; requests use a prefix. Headers are byte views."""
+    the slot; requests use a prefix."""
 
     def __init__(self, slot: torch.Tensor, layout: SlotLayout):
         dtype = TORCH_DTYPES[layout.dtype]
@@ -150,8 +150,27 @@ class _SlotViews:
         self.expert_ids = section(layout.expert_ids, torch.int32, k)
         self.router_weights = section(layout.router_weights, torch.float32, k)
         self.result = section(layout.result, dtype, h)
-        self.request_header = memoryview(slot[layout.request_header:][:HEADER_BYTES].numpy())
-        self.result_header = memoryview(slot[layout.result_header:][:HEADER_BYTES].numpy())
+        self.request_header = _HeaderBytes(slot[layout.request_header:][:HEADER_BYTES])
+        self.result_header = _HeaderBytes(slot[layout.result_header:][:HEADER_BYTES])
+
+
+class _HeaderBytes:
+    """A header's 64 bytes in a slot: a memoryview on host memory (no tensor op per access),
+    tensor copies on device memory (an expert server whose region is on a GPU)."""
+
+    def __init__(self, view: torch.Tensor):
+        self._tensor = view
+        self._bytes = memoryview(view.numpy()) if view.device.type == "cpu" else None
+
+    def read(self) -> bytes:
+        return bytes(self._bytes) if self._bytes is not None else bytes(self._tensor.cpu().numpy())
+
+    def write(self, packed: bytes) -> None:
+        if self._bytes is not None:
+            self._bytes[: len(packed)] = packed
+        else:
+            self._tensor[: len(packed)].copy_(torch.frombuffer(bytearray(packed),
+                                                               dtype=torch.uint8))
 
 
 class ServerSlot:
@@ -180,7 +199,7 @@ class ServerSlot:
         Raises ``HeaderError`` for a corrupt, stale or ill-sized request; ``reject`` it then.
         """
         layout, views = self.layout, self._views
-        header = RequestHeader.unpack(bytes(views.request_header))
+        header = RequestHeader.unpack(views.request_header.read())
         if header.seq <= self.last_seq:
             raise HeaderError(RejectReason.STALE_SEQUENCE,
                               f"sequence {header.seq} after {self.last_seq}")
@@ -208,7 +227,7 @@ class ServerSlot:
     def _answer(self, header: ResultHeader) -> None:
         """Header, then SERVER_DONE (release), then the client's doorbell."""
         packed = header.pack()
-        self._views.result_header[: len(packed)] = packed
+        self._views.result_header.write(packed)
         self._move(SlotState.SERVER_DONE)
         self.region.notify(self._bell)
 
