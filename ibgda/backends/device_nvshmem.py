@@ -9,8 +9,9 @@ and out of every connection:
 
 * A process opts in with ``IBGDA_NVSHMEM_JOB=RANK/NRANKS@UID_FILE``. When it creates its first
   device region it joins the job (rank 0 writes NVSHMEM's unique id to ``UID_FILE``, on storage
-  every member sees; the others wait for the file, so each job needs a fresh path) and makes the job's only collective
-  allocation: a symmetric slab of ``IBGDA_NVSHMEM_SLAB_MB`` MiB, the same on every member.
+  every member sees; the others wait for the file, so each job needs a fresh path) and makes
+  the job's only collective allocation: a symmetric slab of ``IBGDA_NVSHMEM_SLAB_MB`` MiB, the
+  same on every member.
 * After that nothing is collective. A member carves its regions out of its own slab
   (``SlabAllocator``) and names one ``nvshmem:<job>:<pe>:<offset>``; any member of the job
   reaches it one-sidedly at (its own slab base + offset, pe), since symmetric addresses agree.

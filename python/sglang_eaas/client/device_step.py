@@ -106,12 +106,12 @@ class DeviceChannel:
         _, _, code, reason = self.status.tolist()
         if code == 0:
             return
-        DeviceCheck = _kernels().DeviceCheck
+        checks = _kernels().DeviceCheck
         self.status.zero_()
-        detail = {DeviceCheck.NO_ANSWER: f"did not answer within {self.timeout:.0f}s",
-                  DeviceCheck.BAD_HEADER: "answered with a corrupt result header",
-                  DeviceCheck.REJECTED: f"rejected a request: {RejectReason(reason).name}",
-                  DeviceCheck.WRONG_ANSWER: "answered another request"}[DeviceCheck(code)]
+        detail = {checks.NO_ANSWER: f"did not answer within {self.timeout:g}s",
+                  checks.BAD_HEADER: "answered with a corrupt result header",
+                  checks.REJECTED: f"rejected a request: {RejectReason(reason).name}",
+                  checks.WRONG_ANSWER: "answered another request"}[checks(code)]
         raise TransportError(f"expert server {self.address} {detail} (device path)")
 
 
