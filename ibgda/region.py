@@ -101,6 +101,14 @@ class LocalRegion(abc.ABC):
         """
         time.sleep(min(timeout, 50e-6))
 
+    def idle(self, bell: int, seen: int, spin_until: float, timeout: float) -> None:
+        """Nothing to do right now: before ``spin_until`` (a ``time.perf_counter`` time) yield
+        the core and return, to be polled again; after it, ``wait_word(bell, seen, timeout)``."""
+        if time.perf_counter() < spin_until:
+            os.sched_yield()
+        else:
+            self.wait_word(bell, seen, timeout)
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stop serving the region to peers and free it."""

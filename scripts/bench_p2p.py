@@ -231,10 +231,8 @@ def serve_echo(region: LocalRegion, bell: int, slots: list[ServerSlot], stop: Ev
             busy_until = time.perf_counter() + spin
         elif stop.is_set():
             return
-        elif time.perf_counter() >= busy_until:
-            region.wait_word(bell, seen, 0.01)
         else:
-            os.sched_yield()
+            region.idle(bell, seen, busy_until, 0.01)
 
 
 def slot_server(link: Link, num_clients: int, variant: str) -> None:

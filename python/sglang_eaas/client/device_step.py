@@ -29,8 +29,8 @@ from ibgda import TransportError
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.placement import ExpertRouting
 from sglang_eaas.protocol.flags import SlotState
-from sglang_eaas.protocol.header import HEADER_BYTES, RejectReason, RequestHeader
-from sglang_eaas.protocol.slot import TORCH_DTYPES
+from sglang_eaas.protocol.header import HEADER_BYTES, RejectReason
+from sglang_eaas.protocol.slot import TORCH_DTYPES, request_header, request_writes
 
 
 def _kernels():
@@ -66,9 +66,7 @@ class DeviceChannel:
         """The request header template of (layer, tokens); kept, as a graph would refer to it."""
         key = (layer_id, tokens)
         if key not in self._headers:
-            layout = self.layout
-            packed = RequestHeader(layer_id, tokens, layout.top_k, layout.hidden_size,
-                                   layout.dtype, 0, layout.payload_bytes(tokens)).pack()
+            packed = request_header(self.layout, layer_id, tokens, seq=0)  # stamped per dispatch
             self._headers[key] = torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(
                 self.table.device)
         return self._headers[key]
@@ -76,16 +74,13 @@ class DeviceChannel:
     def dispatch(self, layer_id: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                  router_weights: torch.Tensor) -> None:
         """Publish one request: two launches (stamp the header, then put it all and signal)."""
-        layout, base, tokens = self.layout, self.base, hidden.shape[0]
+        tokens = hidden.shape[0]
         header = self._header(layer_id, tokens)
         _kernels().stamp_request(header, self.seq, self.table)
         # The owner polls on device backends: there is no doorbell to ring.
-        self.region.put_signal([
-            (base + layout.hidden, hidden.to(self.dtype)),
-            (base + layout.expert_ids, expert_ids.to(torch.int32)),
-            (base + layout.router_weights, router_weights.to(torch.float32)),
-            (base + layout.request_header, header),
-        ], base + layout.flag, SlotState.CLIENT_WRITE_DONE)
+        self.region.put_signal(request_writes(self.layout, self.base, hidden, expert_ids,
+                                              router_weights, header),
+                               self.base + self.layout.flag, SlotState.CLIENT_WRITE_DONE)
         self._tokens = tokens
 
     def combine(self, out: torch.Tensor) -> None:

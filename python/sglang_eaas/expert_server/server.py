@@ -198,11 +198,9 @@ class ExpertServer:
             seen = self.region.load_word(bell)
             if self.poll_once():
                 busy_until = time.perf_counter() + spin
-            elif time.perf_counter() >= busy_until:
-                # Bounded, so that stop() and clients that cannot ring are noticed.
-                self.region.wait_word(bell, seen, 0.01)
             else:
-                os.sched_yield()
+                # Sleeps bounded, so that stop() and clients that cannot ring are noticed.
+                self.region.idle(bell, seen, busy_until, 0.01)
 
     def stop(self) -> None:
         self._stop.set()

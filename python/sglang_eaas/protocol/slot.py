@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ibgda import LocalRegion, RemoteRegion
+from ibgda.region import Write
 from sglang_eaas.protocol.flags import Actor, ProtocolError, SlotState, check_transition
 from sglang_eaas.protocol.header import (
     HEADER_BYTES, DType, HeaderError, RejectReason, RequestHeader, ResultHeader, ResultStatus,
@@ -27,6 +28,23 @@ DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 # How long either end busy-polls (yielding the core between polls) before it sleeps on a
 # doorbell: a futex wake-up costs tens of microseconds, a poll under one (docs/protocol.md).
 POLL_SPIN_US = 2000
+
+
+def request_header(layout: SlotLayout, layer_id: int, tokens: int, seq: int) -> bytes:
+    """The packed header of a request of ``tokens`` tokens for ``layer_id`` in a ``layout`` slot."""
+    return RequestHeader(layer_id, tokens, layout.top_k, layout.hidden_size, layout.dtype, seq,
+                         layout.payload_bytes(tokens)).pack()
+
+
+def request_writes(layout: SlotLayout, base: int, hidden: torch.Tensor,
+                   expert_ids: torch.Tensor, router_weights: torch.Tensor,
+                   header: torch.Tensor) -> list[Write]:
+    """A request's sections for ``RemoteRegion.put_signal`` (payload, then header), in the
+    slot's dtypes."""
+    return [(base + layout.hidden, hidden.to(TORCH_DTYPES[layout.dtype])),
+            (base + layout.expert_ids, expert_ids.to(torch.int32)),
+            (base + layout.router_weights, router_weights.to(torch.float32)),
+            (base + layout.request_header, header)]
 
 
 class ClientSlot:
@@ -70,8 +88,7 @@ class ClientSlot:
             raise ProtocolError(f"request of {tokens} tokens does not fit slot {layout}")
         check_transition(Actor.CLIENT, self.state, SlotState.CLIENT_WRITE_DONE)
         self.seq += 1
-        header = RequestHeader(layer_id, tokens, layout.top_k, layout.hidden_size, layout.dtype,
-                               self.seq, layout.payload_bytes(tokens)).pack()
+        header = request_header(layout, layer_id, tokens, self.seq)
         views = self._views
         if views is not None:  # the same put, through this process's mapping
             views.hidden[:tokens].copy_(hidden)
@@ -80,14 +97,10 @@ class ClientSlot:
             views.request_header.write(header)
             self.region.store_flag(self._flag, SlotState.CLIENT_WRITE_DONE)
         else:
-            base = self.base
-            self.region.put_signal([
-                (base + layout.hidden, hidden.to(self.dtype)),
-                (base + layout.expert_ids, expert_ids.to(torch.int32)),
-                (base + layout.router_weights, router_weights.to(torch.float32)),
-                (base + layout.request_header, torch.frombuffer(bytearray(header),
-                                                                dtype=torch.uint8)),
-            ], self._flag, SlotState.CLIENT_WRITE_DONE)
+            header_bytes = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+            self.region.put_signal(request_writes(layout, self.base, hidden, expert_ids,
+                                                  router_weights, header_bytes),
+                                   self._flag, SlotState.CLIENT_WRITE_DONE)
         self.state, self._tokens = SlotState.CLIENT_WRITE_DONE, tokens
         self.region.notify(self.server_bell)
 
