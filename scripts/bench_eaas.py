@@ -25,6 +25,8 @@ from sglang_eaas import cpu_runtime
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError
 
+from bench_lib.report import Report, default_out
+
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP_TOKENS = 8
 
@@ -81,6 +83,9 @@ def parse_args() -> argparse.Namespace:
                         help="measured rounds per batch size; the median is reported; default 2")
     parser.add_argument("--log-dir", type=Path, default=ROOT / ".cache" / "logs",
                         help="where the server logs go; default .cache/logs")
+    parser.add_argument("--out", type=Path, default=default_out("eaas"),
+                        help="markdown file receiving the report (the header with command, "
+                        "commit, date and machine, then the table); default %(default)s")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.servers < 1 or min(args.batch_sizes) < 1 or args.rounds < 1:
@@ -193,7 +198,7 @@ def table(mono: dict[int, Result], eaas: dict[int, Result]) -> str:
 
 def main() -> int:
     args = parse_args()
-    started = time.monotonic()
+    report = Report(args.out)
     model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
     workload = Workload(args.input_len, args.output_len, vocab_size)
@@ -212,11 +217,13 @@ def main() -> int:
     except (requests.RequestException, RuntimeError) as exc:
         print(f"bench: error while measuring: {exc}", file=sys.stderr)
         return 1
-    say(f"done in {time.monotonic() - started:.0f} s "
-        f"(eaas = --eaas --eaas-expert-servers local:{args.servers}; ratio = eaas / monolithic)")
-    print(table(mono, eaas), flush=True)
+    report.add(f"bench checkpoint `{model.name}`; per batch size B: B concurrent streaming "
+               f"requests of {args.input_len} random prompt tokens and {args.output_len} output "
+               f"tokens, median of {args.rounds} rounds after one warm-up round; eaas = --eaas "
+               f"--eaas-expert-servers local:{args.servers}; ratio = eaas / monolithic:\n\n"
+               + table(mono, eaas))
+    report.save()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,95 @@
+"""What every benchmark prints above its tables, and the file its report is saved to.
+
+The header says how the numbers were made: the exact command line, the commit (``-dirty`` when
+tracked files have uncommitted changes), the UTC date, the machine (cores, CPU model, load) and
+the torch/SGLang versions. ``Report`` prints the header and the result sections as they come and
+saves them, together, to a markdown file the docs can paste (progress lines are not saved).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+DEFAULT_DIR = ROOT / ".cache" / "bench"
+
+
+def git_commit(root: Path = ROOT) -> str:
+    """``git rev-parse --short HEAD``, plus ``-dirty`` when tracked files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git work tree)"
+    return commit + ("-dirty" if dirty else "")
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def header_lines() -> list[str]:
+    """The header, as markdown list items (one per line, so a terminal shows it as well)."""
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return [
+        f"- command: `{shlex.join(sys.orig_argv)}`",
+        f"- commit: `{git_commit()}`; date: "
+        f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- machine: {os.cpu_count()} cores ({cpu_model()}), load average at start {load} "
+        f"(1, 5, 15 min); Python {platform.python_version()}, torch "
+        f"{package_version('torch')}, sglang {package_version('sglang')}",
+    ]
+
+
+def default_out(name: str) -> Path:
+    """Where a script's report goes unless ``--out`` says otherwise: .cache/bench/NAME.md."""
+    return DEFAULT_DIR / f"{name}.md"
+
+
+class Report:
+    """The header and result sections of one run: printed at once, saved by ``save``."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.started = time.monotonic()
+        self.sections: list[str] = []
+        self.add("\n".join(header_lines()))
+
+    def add(self, text: str) -> None:
+        """A result section (a table, a verdict, a note): printed now, saved with the rest."""
+        self.sections.append(text)
+        print("\n" + text, flush=True)
+
+    def save(self) -> Path:
+        """Write every section (with the run time) to ``out``; returns its path."""
+        self.add(f"Run time: {time.monotonic() - self.started:.0f} s.")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text("\n\n".join(self.sections) + "\n")
+        print(f"\nreport saved to {self.out}", flush=True)
+        return self.out
