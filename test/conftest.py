@@ -64,3 +64,24 @@ def monolithic_qwen3(tiny_qwen3):
 
 def greedy_tokens(server: SGLangServer, prompts=PROMPTS) -> list[list[int]]:
     return [server.generate(p, MAX_NEW_TOKENS)["output_ids"] for p in prompts]
+
+
+# --- Hardware markers (pytest.ini): `gpu` tests run only where torch sees a CUDA device,
+# `cpu_only` tests only where it sees none; elsewhere each is skipped with a reason. ---
+
+GPU_SKIP = "gpu: needs a CUDA device, and torch.cuda.is_available() is False here"
+CPU_ONLY_SKIP = "cpu_only: needs a machine without a CUDA device, and this one has one"
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    has_cuda = torch.cuda.is_available()  # looked up now, so a test can monkeypatch it
+    for item in items:
+        gpu, cpu_only = item.get_closest_marker("gpu"), item.get_closest_marker("cpu_only")
+        if gpu and cpu_only:
+            raise pytest.UsageError(f"{item.nodeid} is marked both gpu and cpu_only: keep one")
+        if gpu and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason=GPU_SKIP))
+        elif cpu_only and has_cuda:
+            item.add_marker(pytest.mark.skip(reason=CPU_ONLY_SKIP))
