@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from sglang_eaas import transports
+from sglang_eaas.addresses import AddressError, parse_address
 from sglang_eaas.protocol.slot import POLL_SPIN_US
 
 
@@ -42,11 +43,13 @@ def parse_expert_servers(spec: str) -> LocalServers | RemoteServers:
         return LocalServers(int(count))
     addresses = tuple(a.strip() for a in spec.split(",") if a.strip())
     for address in addresses:
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        try:
+            parse_address(address)
+        except AddressError as exc:
             raise argparse.ArgumentTypeError(
-                f"{address!r} is not 'local:N' nor a 'host:port' expert-server address"
-            )
+                f"{exc}; expected 'local:N' or HOST:PORT expert-server addresses") from None
+    if len(set(addresses)) != len(addresses):
+        raise argparse.ArgumentTypeError(f"{spec!r} names an expert server twice")
     if not addresses:
         raise argparse.ArgumentTypeError("expected 'local:N' or a list of host:port addresses")
     return RemoteServers(addresses)

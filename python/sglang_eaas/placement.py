@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sglang_eaas.addresses import AddressError, parse_address
+
 
 class PlacementError(ValueError):
     """A placement that cannot serve the model (an expert without a server, a bad list...)."""
@@ -47,23 +49,67 @@ def even_placement(num_experts: int, num_servers: int) -> list[list[int]]:
 
 
 def load_placement_file(path: str | Path) -> dict[str, list[int]]:
-    """``{"servers": {"local:0" | "host:port": [expert ids]}}`` from a JSON or YAML file."""
-    text = Path(path).read_text()
+    """``{"servers": {"local:N" | "host:port": [expert ids]}}`` from a JSON or YAML file.
+
+    Raises ``PlacementError`` naming the file (and the entry) for anything else: unreadable or
+    non-UTF-8 bytes, a syntax error, ids that are not whole numbers >= 0 (``true`` is not 1),
+    an id listed twice for one server, an empty list, a malformed server name, or local and
+    separately started servers mixed in one file.
+    """
+    import yaml
+
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise PlacementError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise PlacementError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     try:
         data = json.loads(text)
-    except ValueError:
-        import yaml
-
-        data = yaml.safe_load(text)
+    except ValueError as exc:
+        if str(path).endswith(".json"):
+            raise PlacementError(f"{path}: not valid JSON ({exc})") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            raise PlacementError(f"{path}: not valid JSON or YAML{at} "
+                                 f"({getattr(exc, 'problem', None) or exc})") from None
     servers = data.get("servers") if isinstance(data, dict) else None
     if not isinstance(servers, dict) or not servers:
         raise PlacementError(f"{path}: expected a 'servers' map of server -> expert ids")
     out = {}
     for name, experts in servers.items():
-        if not isinstance(experts, list) or not all(isinstance(e, int) for e in experts):
-            raise PlacementError(f"{path}: server {name!r} must map to a list of expert ids")
-        out[str(name)] = sorted(set(experts))
+        entry = f"{path}: server {name!r}"
+        _check_server_name(entry, name)
+        if not isinstance(experts, list) or not experts:
+            raise PlacementError(f"{entry} must map to a non-empty list of expert ids")
+        bad = [e for e in experts if type(e) is not int or e < 0]
+        if bad:
+            raise PlacementError(f"{entry} lists {bad[0]!r}, which is not an expert id (a "
+                                 "whole number >= 0)")
+        twice = sorted({e for e in experts if experts.count(e) > 1})
+        if twice:
+            raise PlacementError(f"{entry} lists experts {twice} more than once")
+        out[name] = sorted(experts)
+    if 0 < sum(name.startswith("local:") for name in out) < len(out):
+        raise PlacementError(f"{path}: mixes local:N servers with separately started ones; "
+                             "use one kind per file")
     return out
+
+
+def _check_server_name(entry: str, name: object) -> None:
+    if not isinstance(name, str):
+        raise PlacementError(f"{entry}: a server is named 'local:N' or HOST:PORT")
+    if name.startswith("local:"):
+        if not name[len("local:"):].isdigit():
+            raise PlacementError(f"{entry}: a local server is named 'local:N', N a number")
+        return
+    try:
+        parse_address(name)
+    except AddressError as exc:
+        raise PlacementError(f"{entry}: {exc}") from None
 
 
 class ExpertRouting:

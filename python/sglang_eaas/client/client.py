@@ -9,17 +9,17 @@ from ibgda import TransportError
 from sglang_eaas import transports
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.client.device_step import DeviceStep, drives_devices
+from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import ExpertRouting, PlacementError
-from sglang_eaas.protocol.slot import DTYPES_BY_NAME, POLL_SPIN_US
-
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
+from sglang_eaas.protocol.slot import DTYPE_NAMES, POLL_SPIN_US
 
 
 class EaasClient:
     """Joins every expert server at construction, so placement errors surface before serving."""
 
-    def __init__(self, addresses: list[str], info: MoeModelInfo, dtype: torch.dtype, name: str,
+    def __init__(self, addresses: list[str], info: MoeModelInfo, model: ModelIdentity,
+                 dtype: torch.dtype, name: str,
                  expected_experts: dict[str, list[int]] | None = None,
                  result_timeout: float = 120.0, transport: str = transports.AUTO,
                  poll_spin: float = POLL_SPIN_US * 1e-6):
@@ -28,7 +28,7 @@ class EaasClient:
         try:
             for address in addresses:
                 self.connections.append(
-                    ServerConnection(address, name, info.fingerprint(), DTYPE_NAMES[dtype],
+                    ServerConnection(address, name, model, DTYPE_NAMES[dtype],
                                      transport=transport))
             for conn in self.connections:
                 if expected_experts is not None and conn.experts != expected_experts[conn.address]:

@@ -14,14 +14,17 @@ import json
 import logging
 import os
 import secrets
-import socket
+from pathlib import Path
 from typing import Any, Callable
 
 from ibgda import TransportError
 from sglang_eaas import envs, transports
 from sglang_eaas.client.local_servers import start_local_servers
+from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.config import EaasConfig, LocalServers, RemoteServers
 from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.protocol import control
+from sglang_eaas.protocol.slot import DTYPE_NAMES
 from sglang_eaas.placement import (
     ExpertRouting,
     PlacementError,
@@ -34,19 +37,18 @@ DEFAULT_LOCAL = LocalServers(2)
 
 
 def probe(address: str, timeout: float = 10.0) -> dict[str, Any]:
-    """A server's stats (experts, model fingerprint...) over its control endpoint."""
-    host, _, port = address.rpartition(":")
-    request = json.dumps({"op": "stats", "token": envs.TOKEN.get()}) + "\n"
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-            sock.sendall(request.encode())
-            reply = json.loads(sock.makefile("rb").readline() or b"{}")
-    except (OSError, ValueError) as exc:
-        raise TransportError(f"expert server {address} is unreachable: {exc}") from exc
-    if not reply.get("ok"):
-        raise TransportError(f"expert server {address} refused a stats request: "
-                             f"{reply.get('error', reply)}")
-    return reply["stats"]
+    """A server's stats (experts, model fingerprint, weight digests...), with this process's
+    token."""
+    return control.probe(address, envs.TOKEN.get(), timeout)
+
+
+def sglang_dtype(model_path: str, dtype: str) -> str:
+    """The dtype SGLang computes in for ``--dtype dtype`` (any spelling it accepts, 'auto'
+    resolved SGLang's way), so local expert servers hold their weights in that dtype too."""
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return DTYPE_NAMES[_get_and_verify_dtype(config, dtype)]
 
 
 def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
@@ -76,7 +78,8 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
         logger.info("sglang-eaas: starting %d local expert servers: %s", len(placements),
                     placements)
         backend = "shm" if cfg.transport == transports.AUTO else cfg.transport
-        local = start_local_servers(model_path, placements, dtype, max(8, num_ranks),
+        local = start_local_servers(model_path, placements, sglang_dtype(model_path, dtype),
+                                    max(8, num_ranks),
                                     extra_args=("--transport", backend))
         atexit.register(lambda: [s.stop() for s in local])
         return dataclasses.replace(cfg, expert_servers=RemoteServers(
@@ -84,12 +87,17 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
     if not envs.TOKEN.get():
         raise TransportError(f"expert servers started separately need their shared token: set "
                              f"{envs.TOKEN.name} or pass --eaas-token")
-    held = []
+    held, digests = [], expert_digests(model_path, info)
     for address in servers.addresses:
         stats = probe(address)
         if stats["fingerprint"] != info.fingerprint():
             raise PlacementError(f"expert server {address} serves a different model than "
                                  f"{model_path}")
+        differ = [int(e) for e, d in stats["expert_digests"].items() if digests[int(e)] != d]
+        if differ:
+            raise PlacementError(f"expert server {address} holds other weights for experts "
+                                 f"{differ} than {model_path} (another checkpoint of the same "
+                                 "shape)")
         if planned and stats["experts"] != planned[address]:
             raise PlacementError(f"expert server {address} holds experts {stats['experts']}, "
                                  f"{cfg.placement} says {planned[address]}")

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from sglang_eaas import config as eaas_config
+from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.model_info import MoeModelInfo, is_routed_expert_tensor
 from sglang_eaas.placement import load_placement_file
@@ -35,8 +36,9 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
         assert isinstance(cfg.expert_servers, eaas_config.RemoteServers), cfg
         expected = load_placement_file(cfg.placement) if cfg.placement else None
         name = f"{socket.gethostname()}:{os.getpid()}"
-        _client = EaasClient(list(cfg.expert_servers.addresses),
-                             MoeModelInfo.from_model_path(server_args.model_path), dtype, name,
+        info = MoeModelInfo.from_model_path(server_args.model_path)
+        _client = EaasClient(list(cfg.expert_servers.addresses), info,
+                             ModelIdentity.of(server_args.model_path, info), dtype, name,
                              expected_experts=expected, transport=cfg.transport,
                              poll_spin=cfg.poll_spin_us * 1e-6)
         atexit.register(_client.close)

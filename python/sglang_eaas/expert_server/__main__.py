@@ -8,6 +8,7 @@ import signal
 import sys
 
 from sglang_eaas import envs, transports
+from sglang_eaas.addresses import AddressError, parse_address
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 from sglang_eaas.placement import PlacementError, parse_expert_list
 from sglang_eaas.protocol.slot import POLL_SPIN_US
@@ -15,7 +16,7 @@ from sglang_eaas.protocol.slot import POLL_SPIN_US
 
 def parse_args(argv: list[str] | None = None):
     from sglang_eaas.expert_server.server import ExpertServerConfig
-    from sglang_eaas.protocol.slot import DTYPES_BY_NAME
+    from sglang_eaas.protocol.slot import DTYPE_SPELLINGS
 
     p = argparse.ArgumentParser(
         prog="python -m sglang_eaas.expert_server",
@@ -32,9 +33,11 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--token", default=None,
                    help="shared secret clients must present (default: the SGLANG_EAAS_TOKEN "
                    "environment variable, which keeps it off the command line); required")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES_BY_NAME],
-                   help="weights dtype; 'auto' keeps the checkpoint's. A client with another "
-                   "dtype is served with conversion")
+    p.add_argument("--dtype", default="auto", type=str.lower,
+                   choices=["auto", *DTYPE_SPELLINGS],
+                   help="weights dtype, spelled as SGLang's --dtype ('half' = float16, 'float' = "
+                   "float32); 'auto' keeps the checkpoint's. A client with another dtype is "
+                   "served with conversion")
     p.add_argument("--transport", "--eaas-transport", default=transports.AUTO,
                    choices=transports.CHOICES,
                    help="how clients reach the slots (--eaas-transport: the same flag under "
@@ -60,9 +63,10 @@ def parse_args(argv: list[str] | None = None):
                    "%(default)s")
     p.add_argument("--log-level", default="info", help="logging level; default %(default)s")
     args = p.parse_args(argv)
-    host, _, port = args.listen.rpartition(":")
-    if not host or not port.isdigit():
-        p.error(f"--listen {args.listen!r} is not HOST:PORT")
+    try:
+        host, port = parse_address(args.listen, allow_port_zero=True)
+    except AddressError as exc:
+        p.error(f"--listen: {exc}")
     token = envs.TOKEN.get() if args.token is None else args.token
     if not token:
         p.error(f"an expert server needs a shared token: pass --token or set {envs.TOKEN.name}")
@@ -81,7 +85,7 @@ def parse_args(argv: list[str] | None = None):
     except (ModelError, PlacementError) as exc:
         p.error(str(exc))
     return args, ExpertServerConfig(
-        model_path=args.model_path, experts=tuple(experts), host=host, port=int(port), token=token,
+        model_path=args.model_path, experts=tuple(experts), host=host, port=port, token=token,
         dtype=args.dtype, transport=args.transport, max_clients=args.max_clients,
         max_tokens=args.max_tokens, min_batch_tokens=args.min_batch_tokens,
         max_wait_us=args.max_wait_us, poll_spin_us=args.poll_spin_us, threads=args.threads,

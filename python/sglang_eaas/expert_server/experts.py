@@ -7,7 +7,6 @@ memory grows with the number of experts held, not with the model.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from sglang_eaas.checkpoint import tensor_files
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 
 
@@ -38,19 +38,6 @@ class LayerExperts:
         return F.linear(F.silu(gate_up[..., :d]) * gate_up[..., d:], self.w2[local_expert])
 
 
-def _tensor_files(model_path: Path) -> dict[str, Path]:
-    """Checkpoint tensor name -> the safetensors file holding it."""
-    index = model_path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_path / file for name, file in weight_map.items()}
-    single = model_path / "model.safetensors"
-    if not single.exists():
-        raise ModelError(f"no model.safetensors or model.safetensors.index.json in {model_path}")
-    with safe_open(single, "pt") as f:
-        return {name: single for name in f.keys()}
-
-
 def load_experts(model_path: str | Path, info: MoeModelInfo, experts: list[int],
                  dtype: torch.dtype) -> dict[int, LayerExperts]:
     """``{layer_id: LayerExperts}`` for every MoE layer, holding ``experts`` (global ids)."""
@@ -58,7 +45,7 @@ def load_experts(model_path: str | Path, info: MoeModelInfo, experts: list[int],
     bad = [e for e in experts if not 0 <= e < info.num_experts]
     if bad:
         raise ModelError(f"experts {bad} do not exist: the model has {info.num_experts}")
-    files = _tensor_files(model_path)
+    files = tensor_files(model_path)
     wanted: dict[Path, list[str]] = {}
     for layer in info.moe_layers:
         for expert in experts:

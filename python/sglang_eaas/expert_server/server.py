@@ -15,11 +15,15 @@ import torch
 from sglang_eaas import transports
 from sglang_eaas.expert_server.compute import local_experts, weighted_expert_sum
 from sglang_eaas.expert_server.control import ControlServer
+from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RegionLayout, SlotLayout, SlotState
 from sglang_eaas.protocol.header import HeaderError, RejectReason, RequestHeader
-from sglang_eaas.protocol.slot import DTYPE_CODES, DTYPES_BY_NAME, POLL_SPIN_US, ServerSlot
+from sglang_eaas.protocol.control import ControlError, JoinReply, JoinRequest
+from sglang_eaas.protocol.slot import (
+    DTYPE_CODES, DTYPES_BY_NAME, POLL_SPIN_US, ServerSlot, dtype_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +35,7 @@ class ExpertServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     token: str = ""  # shared secret clients must present on the control endpoint
-    dtype: str = "auto"  # weights dtype; "auto" = the checkpoint's
+    dtype: str = "auto"  # weights dtype, any spelling SGLang accepts; "auto" = the checkpoint's
     transport: str = "auto"  # an ibgda backend, or auto (sglang_eaas.transports)
     max_clients: int = 8
     max_tokens: int = 2048  # per request; clients split larger batches
@@ -58,7 +62,9 @@ class ExpertServer:
         self.config = config
         torch.set_num_threads(config.threads)
         self.info = MoeModelInfo.from_model_path(config.model_path)
-        self.dtype = DTYPES_BY_NAME[self.info.dtype if config.dtype == "auto" else config.dtype]
+        self.dtype = DTYPES_BY_NAME[dtype_name(
+            self.info.dtype if config.dtype == "auto" else config.dtype)]
+        self.digests = expert_digests(config.model_path, self.info, list(config.experts))
         self.layers: dict[int, LayerExperts] = load_experts(
             config.model_path, self.info, list(config.experts), self.dtype)
         self.region_layout = RegionLayout.for_requests(
@@ -84,45 +90,58 @@ class ExpertServer:
         return weight_bytes(self.layers)
 
     # -- control plane -------------------------------------------------------------------
-    def _join(self, message: dict[str, Any]) -> tuple[dict[str, Any], "_Membership | None"]:
-        """Reserve a slot for a client; it serves only once the client confirms (``ready``)."""
-        if message.get("fingerprint") != self.info.fingerprint():
-            return {"ok": False, "error": (
+    def _join(self, request: JoinRequest) -> tuple[JoinReply, "_Membership"]:
+        """Reserve a slot for a client; it serves only once the client confirms (``ready``).
+
+        Raises ``ControlError`` (counted by its reason) for a client of another model, other
+        expert weights, another transport or dtype, or when every slot is taken.
+        """
+        if request.fingerprint != self.info.fingerprint():
+            raise ControlError("join_other_model", (
                 f"expert server {self.address} serves {self.config.model_path} "
                 f"({self.info.model_type}, {self.info.num_experts} experts, hidden "
-                f"{self.info.hidden_size}), which does not match the client's model")}, None
-        wanted = message.get("transport", transports.AUTO)
-        if wanted not in (transports.AUTO, self.transport.name):
-            return {"ok": False, "error": (
+                f"{self.info.hidden_size}), which does not match the client's model"))
+        if len(request.expert_digests) != self.info.num_experts:
+            raise ControlError("bad_field", f"expert_digests must have one entry per expert "
+                               f"({self.info.num_experts}), got {len(request.expert_digests)}")
+        differ = [e for e, d in self.digests.items() if request.expert_digests[e] != d]
+        if differ:
+            raise ControlError("join_other_weights", (
+                f"expert server {self.address} holds other weights for experts {differ} than "
+                f"the client's checkpoint: {self.config.model_path} is another checkpoint of "
+                "the same shape"))
+        if request.transport not in (transports.AUTO, self.transport.name):
+            raise ControlError("join_other_transport", (
                 f"expert server {self.address} offers transport {self.transport.name!r}, the "
-                f"client asked for {wanted!r}; start the server with --transport {wanted} or "
-                f"the client with --eaas-transport {self.transport.name} (or auto)")}, None
-        dtype = DTYPES_BY_NAME.get(message.get("dtype", ""))
+                f"client asked for {request.transport!r}; start the server with --transport "
+                f"{request.transport} or the client with --eaas-transport "
+                f"{self.transport.name} (or auto)"))
+        dtype = DTYPES_BY_NAME.get(request.dtype)
         if dtype is None:
-            return {"ok": False, "error": f"unsupported dtype {message.get('dtype')!r}"}, None
+            raise ControlError("bad_field", f"unsupported dtype {request.dtype!r} (expected one "
+                               f"of {', '.join(DTYPES_BY_NAME)})")
         with self._lock:
             free = [i for i in range(self.config.max_clients)
                     if i not in self._active and i not in self._reserved]
             if not free:
-                return {"ok": False, "error": (
+                raise ControlError("join_full", (
                     f"expert server {self.address} has all {self.config.max_clients} client "
-                    "slots taken; start it with a larger --max-clients")}, None
+                    "slots taken; start it with a larger --max-clients"))
             index = free[0]
             self._reserved.add(index)
         layout = SlotLayout(self.config.max_tokens, self.info.hidden_size, self.info.top_k,
                             DTYPE_CODES[dtype])
         slot = ServerSlot(self.region, self.region_layout.base(index), layout)
-        return {
-            "ok": True, "slot": index, "base": slot.base, "bell": self.region_layout.bell,
-            "region": self.region.handle.to_dict(),
-            "layout": {"max_tokens": layout.max_tokens, "hidden_size": layout.hidden_size,
-                       "top_k": layout.top_k, "dtype": int(layout.dtype)},
-            "experts": list(self.config.experts), "moe_layers": list(self.info.moe_layers),
-        }, _Membership(self, index, slot, str(message.get("client")))
+        reply = JoinReply(slot=index, region=self.region.handle.to_dict(), base=slot.base,
+                          bell=self.region_layout.bell, layout=layout,
+                          experts=list(self.config.experts),
+                          moe_layers=list(self.info.moe_layers))
+        return reply, _Membership(self, index, slot, request.client)
 
     def _stats(self) -> dict[str, Any]:
         return {**self.stats, "weight_bytes": self.weight_bytes(),
                 "fingerprint": self.info.fingerprint(), "pid": os.getpid(),
+                "expert_digests": {str(e): d for e, d in self.digests.items()},
                 "experts": list(self.config.experts), "clients": len(self._active)}
 
     # -- data plane ----------------------------------------------------------------------
@@ -160,12 +179,19 @@ class ExpertServer:
         for r in batch:
             by_layer[r.header.layer_id].append(r)
         for layer_id, requests in by_layer.items():
-            out = weighted_expert_sum(
-                self.layers[layer_id],
-                _cat([r.hidden.to(self.dtype) for r in requests]),
-                _cat([r.local_experts for r in requests]),
-                _cat([r.router_weights for r in requests]),
-            )
+            try:
+                out = weighted_expert_sum(
+                    self.layers[layer_id],
+                    _cat([r.hidden.to(self.dtype) for r in requests]),
+                    _cat([r.local_experts for r in requests]),
+                    _cat([r.router_weights for r in requests]),
+                )
+            except Exception:  # a bug must cost these requests, not the server
+                logger.exception("computing layer %d failed", layer_id)
+                self.stats["rejected_server_error"] += len(requests)
+                for r in requests:
+                    self._answer(r.slot.reject, RejectReason.SERVER_ERROR)
+                continue
             start = 0
             for r in requests:
                 n = r.header.num_tokens

@@ -38,6 +38,7 @@ class RejectReason(enum.IntEnum):
     UNKNOWN_LAYER = 6
     FOREIGN_EXPERT = 7  # an expert id this server does not hold
     BAD_DTYPE = 8
+    SERVER_ERROR = 9  # the computation failed on the server (logged there)
 
 
 class ResultStatus(enum.IntEnum):

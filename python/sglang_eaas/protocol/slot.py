@@ -23,8 +23,19 @@ from sglang_eaas.protocol.layout import SlotLayout
 TORCH_DTYPES = {DType.FLOAT32: torch.float32, DType.BFLOAT16: torch.bfloat16,
                 DType.FLOAT16: torch.float16}
 DTYPE_CODES = {v: k for k, v in TORCH_DTYPES.items()}
-# The names used on command lines and in join messages.
+# The names used in join messages, and every spelling SGLang's --dtype accepts for them.
 DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
+DTYPE_SPELLINGS = {**{name: name for name in DTYPES_BY_NAME}, "float": "float32", "half": "float16"}
+
+
+def dtype_name(spelling: str) -> str:
+    """The canonical name of a dtype spelled as SGLang's ``--dtype`` accepts it (any case)."""
+    name = DTYPE_SPELLINGS.get(spelling.lower())
+    if name is None:
+        raise ValueError(f"unknown dtype {spelling!r} (expected one of "
+                         f"{', '.join(DTYPE_SPELLINGS)})")
+    return name
 # How long either end busy-polls (yielding the core between polls) before it sleeps on a
 # doorbell: a futex wake-up costs tens of microseconds, a poll under one (docs/protocol.md).
 POLL_SPIN_US = 2000
@@ -250,6 +261,10 @@ class ServerSlot:
         self._move(SlotState.EMPTY)
 
     def reclaim(self) -> None:
-        """The owning client is gone: OFFLINE, whatever the slot held."""
-        if self.state() != SlotState.OFFLINE:
+        """The owning client is gone: OFFLINE, whatever the slot held (even a flag value that
+        is no state at all, which only a misbehaving client can have written)."""
+        state = self.state()
+        if state not in iter(SlotState):
+            self.region.store_flag(self._flag, SlotState.OFFLINE)
+        elif state != SlotState.OFFLINE:
             self._move(SlotState.OFFLINE)
