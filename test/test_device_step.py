@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import open_log
+from sglang_eaas.checkpoint import ModelIdentity
+from sglang_eaas.client import graph_check
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.client.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
@@ -55,9 +57,10 @@ def servers(tiny_qwen3, kernels):
 def client_of(servers, tiny_qwen3):
     """``client_of(name)``: an EaasClient over the device transport, closed after the test."""
     info, made = MoeModelInfo.from_model_path(tiny_qwen3), []
+    identity = ModelIdentity.of(tiny_qwen3, info)
 
     def make(name: str, timeout: float = 60.0) -> EaasClient:
-        made.append(EaasClient([s.address for s in servers], info, torch.float32, name,
+        made.append(EaasClient([s.address for s in servers], info, identity, torch.float32, name,
                                result_timeout=timeout, transport="device"))
         return made[-1]
 
@@ -166,7 +169,7 @@ def test_the_device_exchange_reads_nothing_back(client_of, tiny_qwen3):
         step.check()
     finally:
         sys.setprofile(None)
-    assert seen == ["tolist in check"] * len(step.channels)  # the watcher does see host reads
+    assert seen == ["tolist in check"]  # one read for every channel; the watcher does see it
     assert out.abs().sum() > 0
 
 
@@ -187,3 +190,132 @@ def test_device_path_failures_reach_the_host(client_of, servers, tiny_qwen3):
             patient.forward(0, x, ids, weights)
     finally:
         os.kill(servers[1].process.pid, signal.SIGCONT)
+
+
+# A client that believes server 0 holds expert 5: whatever it sends there with a 5 is rejected.
+WRONG_ROUTING = ExpertRouting([[0, 1, 2, 3, 5], [4, 6, 7, 0]], 8)
+SERVER_1_EXPERTS = [4, 6, 7]  # under both routings (expert 0, replicated, is left out)
+
+
+def _only(ids: torch.Tensor, experts: list[int]) -> torch.Tensor:
+    return torch.where(torch.isin(ids, torch.tensor(experts)), ids, -1)
+
+
+def test_a_failed_exchange_adds_no_rows_until_the_host_has_checked(client_of, servers,
+                                                                   tiny_qwen3):
+    """Deferred checks, as in a replayed graph: a rejected request adds none of its server's
+    rows, nor does a later good answer from it while the failure is sticky; the host check names
+    the server, and afterwards its rows count again. Expectations come from the host path."""
+    info = MoeModelInfo.from_model_path(tiny_qwen3)
+    step, host = client_of("deferred").device_step, client_of("deferred-reference")
+    host.device_step = None
+    x, _, weights = _batch(info, 3, seed=7)
+    good_ids = torch.tensor([[1, 6], [4, 2], [3, 7]])  # both servers answer
+    step.run(0, x, good_ids, weights)  # leaves nonzero rows in server 0's result section
+    step.check()
+    healthy_part = host.forward(0, x, _only(good_ids, SERVER_1_EXPERTS), weights)
+    whole = host.forward(0, x, good_ids, weights)
+    assert healthy_part.abs().sum() > 0 and not torch.equal(healthy_part, whole)
+
+    step.routing = WRONG_ROUTING
+    bad_ids = torch.tensor([[5, 6], [4, 5], [5, 7]])  # 5 goes to server 0, which rejects it
+    failed = step.run(0, x, bad_ids, weights)
+    assert torch.equal(failed, host.forward(0, x, _only(bad_ids, SERVER_1_EXPERTS), weights))
+    step.routing = ExpertRouting(PLACEMENT, 8)
+    still_failed = step.run(0, x, good_ids, weights)  # server 0 answers well, but it is sticky
+    assert torch.equal(still_failed, healthy_part)
+    with pytest.raises(TransportError) as raised:
+        step.check()
+    assert f"expert server {servers[0].address} rejected a request: FOREIGN_EXPERT" in str(
+        raised.value)
+    assert servers[1].address not in str(raised.value)
+
+    assert torch.equal(step.run(0, x, good_ids, weights), whole)
+    step.check()  # cleared: nothing left to raise
+
+
+class _Batch:
+    """What the graph check reads of SGLang's ForwardBatch, carrying one MoE layer's input."""
+
+    def __init__(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        self.hidden, self.ids, self.weights = hidden, ids, weights
+
+    def needs_forward_metadata_init(self) -> bool:
+        return True  # a plain decode batch: its eager run plans its own attention metadata
+
+
+class _ModelRunner:
+    """SGLang's ModelRunner as the graph check uses it; its eager path is the hooked MoE layer
+    (``EaasClient.forward``, which checks at once)."""
+
+    def __init__(self, client: EaasClient):
+        self.client, self.eager_runner, self.eager_runs, self.prepared = client, self, 0, 0
+
+    def _prepare_eager_forward_batch(self, batch: _Batch) -> None:
+        self.prepared += 1
+
+    def execute(self, batch: _Batch, pp_proxy_tensors=None) -> torch.Tensor:
+        self.eager_runs += 1
+        return self.client.forward(0, batch.hidden, batch.ids, batch.weights)
+
+
+class _GraphRunner:
+    """A decode graph runner whose replay is the captured exchange: ``DeviceStep.run`` with no
+    host check, with the routing the graph is replayed under (a wrong one makes it fail)."""
+
+    def __init__(self, model_runner: _ModelRunner, replay_routing: ExpertRouting):
+        self.model_runner, self.replay_routing = model_runner, replay_routing
+        self.replays: list[torch.Tensor] = []  # what each replay left in the graph's output
+
+    @staticmethod
+    def execute(runner: _GraphRunner, batch: _Batch, pp_proxy_tensors=None) -> torch.Tensor:
+        step = runner.model_runner.client.device_step
+        routing, step.routing = step.routing, runner.replay_routing
+        try:
+            runner.replays.append(step.run(0, batch.hidden, batch.ids, batch.weights))
+        finally:
+            step.routing = routing
+        return runner.replays[-1]
+
+
+def test_the_graph_check_redoes_a_failed_replay_once_eagerly(client_of, servers, tiny_qwen3,
+                                                            monkeypatch):
+    info = MoeModelInfo.from_model_path(tiny_qwen3)
+    client, host = client_of("graph-like"), client_of("graph-reference")
+    host.device_step = None
+    x, _, weights = _batch(info, 3, seed=11)
+    batch = _Batch(x, torch.tensor([[5, 1], [6, 2], [3, 7]]), weights)
+    expected = host.forward(0, x, batch.ids, weights)
+    right = client.device_step.routing
+
+    def replay(replay_routing: ExpertRouting):
+        runner = _GraphRunner(_ModelRunner(client), replay_routing)
+        return runner, graph_check.check_after_replay(_GraphRunner.execute, runner, batch)
+
+    runner, out = replay(right)  # a good replay is kept
+    assert (len(runner.replays), runner.model_runner.eager_runs) == (1, 0)
+    assert out is runner.replays[0] and torch.equal(out, expected)
+
+    runner, out = replay(WRONG_ROUTING)  # failed replay, good eager run: redone
+    assert (len(runner.replays), runner.model_runner.eager_runs, runner.model_runner.prepared) == (
+        1, 1, 1)
+    assert not torch.equal(runner.replays[0], expected)  # server 0's rows are missing there
+    assert torch.equal(out, expected)
+
+    client.device_step.routing = WRONG_ROUTING  # the eager run fails too: the request fails
+    try:
+        runner = _GraphRunner(_ModelRunner(client), WRONG_ROUTING)
+        with pytest.raises(TransportError,
+                           match=f"{servers[0].address} rejected a request: FOREIGN_EXPERT"):
+            graph_check.check_after_replay(_GraphRunner.execute, runner, batch)
+        assert runner.model_runner.eager_runs == 1
+    finally:
+        client.device_step.routing = right
+
+    # Another rank shares the forward: it would not join a re-run, so nothing is redone.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    runner = _GraphRunner(_ModelRunner(client), WRONG_ROUTING)
+    with pytest.raises(TransportError, match="not redone: 2 ranks share this forward"):
+        graph_check.check_after_replay(_GraphRunner.execute, runner, batch)
+    assert runner.model_runner.eager_runs == 0

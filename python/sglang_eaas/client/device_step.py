@@ -14,14 +14,28 @@ be captured in one CUDA graph (the paper's §4.3):
                the same status tensor, and the rows are added to the output in server order.
 
 Every server gets every token of the batch (dispatch is dense: the host cannot pick rows
-without reading the routing back); rows it holds no expert for come back as zeros. Errors are
-sticky in the status tensors and ``check`` raises them on the host, after the step (at once
-unless a CUDA graph is being captured). The protocol is the host path's, byte for byte.
+without reading the routing back); rows it holds no expert for come back as zeros. The protocol
+is the host path's, byte for byte.
+
+Failures never reach the output silently. ``check_result`` writes a ``DeviceCheck`` into the
+channel's status tensor, and ``combine`` adds the server's rows only where that status says the
+answer came and was checked OK (a ``torch.where`` on the device, no host read): a server that did
+not answer, answered corruptly, rejected the request or answered another one adds nothing, and
+the status marks the step's output as failed. The first failure is sticky: until the host's next
+``check`` it stays in the status, and every later step (a CUDA graph may be replayed several
+times before the host looks) adds none of that server's rows either, good answers included, so
+no output after a failure looks whole. Requests still go out meanwhile (a launch has no
+predicate); their answers are checked and dropped. ``DeviceStep.check`` reads every channel's
+status in one host read, clears the failed ones and raises one ``TransportError`` naming each
+failed server and why: at once after each step in eager mode, after each replay under a CUDA
+graph (``client/graph_check.py``, which redoes the batch eagerly once).
 Header templates and answer buffers are made on the first step of each shape, which a graph
 runner's warm-up steps (SGLang runs some before capturing) take care of.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -94,20 +108,18 @@ class DeviceChannel:
         answer = self._answers[tokens]
         self.region.read(self.base + layout.result_header, answer)  # header, then the rows
         _kernels().check_result(answer, self.seq, tokens, self.table, self.status)
-        out.add_(answer[HEADER_BYTES:].view(self.dtype).view(tokens, layout.hidden_size))
+        rows = answer[HEADER_BYTES:].view(self.dtype).view(tokens, layout.hidden_size)
+        # A select, not a 0/1 scale: 0 * NaN is NaN, and a failed answer's rows are anything.
+        out.add_(torch.where(self.status[2] == 0, rows, 0))
 
-    def check(self) -> None:
-        """Raise ``TransportError`` for the first failure since the last check (a host read)."""
-        _, _, code, reason = self.status.tolist()
-        if code == 0:
-            return
+    def failure(self, code: int, reason: int) -> str:
+        """The sentence for ``status[2:] == [code, reason]`` (``code`` a failed ``DeviceCheck``)."""
         checks = _kernels().DeviceCheck
-        self.status.zero_()
         detail = {checks.NO_ANSWER: f"did not answer within {self.timeout:g}s",
                   checks.BAD_HEADER: "answered with a corrupt result header",
                   checks.REJECTED: f"rejected a request: {RejectReason(reason).name}",
                   checks.WRONG_ANSWER: "answered another request"}[checks(code)]
-        raise TransportError(f"expert server {self.address} {detail} (device path)")
+        return f"expert server {self.address} {detail} (device path)"
 
 
 class DeviceStep:
@@ -120,6 +132,7 @@ class DeviceStep:
         self.channels = [DeviceChannel(c, table, timeout) for c in connections]
         self.routing = routing
         self.max_tokens = min(ch.layout.max_tokens for ch in self.channels)
+        _STEPS.add(self)
 
     def run(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor) -> torch.Tensor:
@@ -141,14 +154,38 @@ class DeviceStep:
         return out
 
     def check(self) -> None:
-        for channel in self.channels:
-            channel.check()
+        """Raise ``TransportError`` naming every server whose exchange failed since the last
+        check, and clear those statuses (one host read for all channels)."""
+        statuses = torch.stack([channel.status for channel in self.channels]).tolist()
+        failures = []
+        for channel, (_, _, code, reason) in zip(self.channels, statuses):
+            if code != 0:
+                channel.status.zero_()
+                failures.append(channel.failure(code, reason))
+        if failures:
+            raise TransportError("; ".join(failures))
 
     def forward(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """``run``, then ``check`` unless a CUDA graph is being captured (the host reads the
-        status after the graph's replay then)."""
+        status after the graph's replay then: ``client/graph_check.py``)."""
         out = self.run(layer_id, hidden, topk_ids, topk_weights)
         if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             self.check()
         return out
+
+
+_STEPS: weakref.WeakSet[DeviceStep] = weakref.WeakSet()  # every live step of this process
+
+
+def check_every_step() -> None:
+    """``DeviceStep.check`` for every step of this process (after a CUDA graph's replay); one
+    ``TransportError`` names every failed server of every step."""
+    failures = []
+    for step in list(_STEPS):
+        try:
+            step.check()
+        except TransportError as exc:
+            failures.append(str(exc))
+    if failures:
+        raise TransportError("; ".join(failures))

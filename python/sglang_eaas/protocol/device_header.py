@@ -21,7 +21,8 @@ from sglang_eaas.protocol.header import MAGIC, VERSION, RequestHeader, ResultHea
 
 
 class DeviceCheck(enum.IntEnum):
-    """What ``check_result`` writes into ``status[2]``."""
+    """What ``check_result`` writes into ``status[2]``; the client adds a server's rows only
+    while it is ``OK`` (``client/device_step.py``)."""
 
     OK = 0
     NO_ANSWER = 1  # the wait ran out before SERVER_DONE
