@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-from sglang_eaas import config
-from sglang_eaas.client import launch, sglang_moe
+from sglang_eaas import config, request_checks
+from sglang_eaas.client import graph_check, launch, sglang_moe
 from sglang_eaas.cpu_runtime import moe_native_ep, server_defaults
 
 
@@ -76,6 +76,13 @@ HOOKS: tuple[Hook, ...] = (
         "--eaas: routed experts run on the expert servers (dispatch -> run -> combine)",
     ),
     Hook(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
+        "AROUND",
+        graph_check.check_after_replay,
+        "--eaas device transport: check the device exchange after each decode graph replay; "
+        "redo a failed batch once without the graph",
+    ),
+    Hook(
         "sglang.srt.model_loader.loader.DefaultModelLoader._get_all_weights",
         "AROUND",
         sglang_moe.skip_routed_expert_weights,
@@ -98,6 +105,12 @@ HOOKS: tuple[Hook, ...] = (
         "AROUND",
         moe_native_ep.moe_forward_native_ep,
         "CPU MoE path correct with --ep > 1 (non-local experts arrive as id -1)",
+    ),
+    Hook(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        "BEFORE",
+        request_checks.check_prompt_token_ids,
+        "refuse prompt token ids outside the vocabulary (HTTP 400): the scheduler dies on them",
     ),
 )
 
