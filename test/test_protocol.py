@@ -7,10 +7,11 @@ one-sided remote region (Mooncake over loopback TCP, device kernels under the in
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang_eaas.protocol import (
     Actor,
@@ -24,7 +25,6 @@ from sglang_eaas.protocol import (
     SlotState,
     check_transition,
 )
-from sglang_eaas.protocol.flags import LEGAL_TRANSITIONS
 from sglang_eaas.protocol.header import DType, RejectReason
 from sglang_eaas.protocol.slot import ClientSlot, ServerSlot
 
@@ -71,30 +71,202 @@ def _request(tokens: int = 3, seed: int = 0):
             torch.rand(tokens, 2, generator=g))
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(list(Actor)), st.sampled_from(list(SlotState))),
-                max_size=40))
-def test_random_actions_never_reach_an_illegal_state(actions):
-    """Every move either is in the legal table and happens, or raises and changes nothing."""
-    state = SlotState.OFFLINE
-    for actor, target in actions:
-        try:
-            check_transition(actor, state, target)
-        except ProtocolError:
-            assert (actor, state, target) not in LEGAL_TRANSITIONS
-            continue
-        assert (actor, state, target) in LEGAL_TRANSITIONS
-        state = target
-    assert state in SlotState
+# Who may move the flag from where to where, written out by hand from docs/protocol.md ("State
+# flag": the diagram and the OFFLINE note under it) for all 32 (actor, from, to) triples. Staying
+# in a state is not a move, so no triple from a state to itself is allowed.
+FLAG_SPEC = """
+    actor   from               to                 allowed  (why)
+    client  EMPTY              EMPTY              no
+    client  EMPTY              CLIENT_WRITE_DONE  yes      client publishes a request
+    client  EMPTY              SERVER_DONE        no       only the server publishes results
+    client  EMPTY              OFFLINE            yes      orderly leave
+    client  CLIENT_WRITE_DONE  EMPTY              no       the request is unanswered
+    client  CLIENT_WRITE_DONE  CLIENT_WRITE_DONE  no
+    client  CLIENT_WRITE_DONE  SERVER_DONE        no       only the server publishes results
+    client  CLIENT_WRITE_DONE  OFFLINE            no       leave only from EMPTY or SERVER_DONE
+    client  SERVER_DONE        EMPTY              yes      result consumed, idle
+    client  SERVER_DONE        CLIENT_WRITE_DONE  yes      result consumed, next request
+    client  SERVER_DONE        SERVER_DONE        no
+    client  SERVER_DONE        OFFLINE            yes      orderly leave
+    client  OFFLINE            EMPTY              no       the server hands out slots
+    client  OFFLINE            CLIENT_WRITE_DONE  no       no live client
+    client  OFFLINE            SERVER_DONE        no
+    client  OFFLINE            OFFLINE            no
+    server  EMPTY              EMPTY              no
+    server  EMPTY              CLIENT_WRITE_DONE  no       only the client publishes requests
+    server  EMPTY              SERVER_DONE        no       there is no request to answer
+    server  EMPTY              OFFLINE            yes      the client is gone
+    server  CLIENT_WRITE_DONE  EMPTY              no       the client consumes, not the server
+    server  CLIENT_WRITE_DONE  CLIENT_WRITE_DONE  no
+    server  CLIENT_WRITE_DONE  SERVER_DONE        yes      server publishes a result
+    server  CLIENT_WRITE_DONE  OFFLINE            yes      the client is gone
+    server  SERVER_DONE        EMPTY              no       the client consumes, not the server
+    server  SERVER_DONE        CLIENT_WRITE_DONE  no       only the client publishes requests
+    server  SERVER_DONE        SERVER_DONE        no
+    server  SERVER_DONE        OFFLINE            yes      the client is gone
+    server  OFFLINE            EMPTY              yes      a client joins
+    server  OFFLINE            CLIENT_WRITE_DONE  no       only the client publishes requests
+    server  OFFLINE            SERVER_DONE        no       a late answer into a reclaimed slot
+    server  OFFLINE            OFFLINE            no
+"""
 
 
-def test_only_the_client_publishes_requests_and_only_the_server_results():
-    with pytest.raises(ProtocolError):
-        check_transition(Actor.SERVER, SlotState.EMPTY, SlotState.CLIENT_WRITE_DONE)
-    with pytest.raises(ProtocolError):
-        check_transition(Actor.CLIENT, SlotState.CLIENT_WRITE_DONE, SlotState.SERVER_DONE)
-    with pytest.raises(ProtocolError, match="not a SlotState"):
+def _flag_spec() -> dict[tuple[Actor, SlotState, SlotState], bool]:
+    rows = [line.split()[:4] for line in FLAG_SPEC.strip().splitlines()[1:]]
+    spec = {(Actor(a), SlotState[f], SlotState[t]): allowed == "yes" for a, f, t, allowed in rows}
+    assert len(spec) == len(rows) == 2 * 4 * 4  # every triple once
+    return spec
+
+
+FLAG_MOVES = _flag_spec()
+
+
+@pytest.mark.parametrize(("move", "allowed"), list(FLAG_MOVES.items()),
+                         ids=[f"{a.value}-{f.name}-{t.name}" for a, f, t in FLAG_MOVES])
+def test_transition_check_follows_the_written_spec(move, allowed):
+    if allowed:
+        check_transition(*move)
+    else:
+        with pytest.raises(ProtocolError, match=f"{move[0].value} may not move a slot from "
+                                                f"{move[1].name} to {move[2].name}"):
+            check_transition(*move)
+
+
+def test_a_flag_outside_the_states_is_refused():
+    with pytest.raises(ProtocolError, match="slot flag holds 9, which is not a SlotState"):
         check_transition(Actor.SERVER, 9, SlotState.OFFLINE)
+
+
+@dataclass(frozen=True)
+class SlotModel:
+    """One slot as docs/protocol.md draws it: the flag in memory, the joined client's view of
+    it (None: no client; a reclaimed client is gone), and whether the answer is a rejection."""
+
+    flag: SlotState = SlotState.OFFLINE
+    client: SlotState | None = None
+    rejected: bool = False
+
+
+S = SlotState
+CLIENT_ACTIONS = ("send", "wait", "result", "leave")
+SERVER_ACTIONS = ("serve", "reject", "open", "reclaim")
+
+
+def model_step(m: SlotModel, action: str) -> SlotModel | None:
+    """The slot after ``action``, or None where the protocol refuses it (``ProtocolError``)."""
+    if action == "send":  # the client writes only into a slot it knows is free or answered
+        return (replace(m, flag=S.CLIENT_WRITE_DONE, client=S.CLIENT_WRITE_DONE, rejected=False)
+                if m.client in (S.EMPTY, S.SERVER_DONE) else None)
+    if action in ("serve", "reject"):  # the server answers published requests only
+        return (replace(m, flag=S.SERVER_DONE, rejected=action == "reject")
+                if m.flag == S.CLIENT_WRITE_DONE else None)
+    if action == "wait":  # the client learns of an answer by waiting for it; never refused
+        done = m.client == S.CLIENT_WRITE_DONE and m.flag == S.SERVER_DONE
+        return replace(m, client=S.SERVER_DONE) if done else m
+    if action == "result":  # only an answered, accepted request has a result
+        return m if m.client == S.SERVER_DONE and not m.rejected else None
+    if action == "leave":  # orderly leave from EMPTY or SERVER_DONE; otherwise a no-op
+        return (replace(m, flag=S.OFFLINE, client=S.OFFLINE)
+                if m.client in (S.EMPTY, S.SERVER_DONE) else m)
+    if action == "open":  # a new client joins an OFFLINE slot
+        return SlotModel(S.EMPTY, S.EMPTY) if m.flag == S.OFFLINE else None
+    if action == "reclaim":  # the client is gone: OFFLINE from anywhere
+        return SlotModel(S.OFFLINE, None)
+    raise AssertionError(f"unknown action {action}")
+
+
+class RealSlot:
+    """The real ``ServerSlot`` and ``ClientSlot`` over one slot of a real region."""
+
+    def __init__(self, region, remote):
+        self.region, self.remote = region, remote
+        region.store_flag(BASE, SlotState.OFFLINE)
+        self.server = ServerSlot(region, BASE, LAYOUT)
+        self.client: ClientSlot | None = None
+        self.sent: torch.Tensor | None = None
+        self.count = 0
+
+    def do(self, action: str):
+        """Run ``action`` on the real ends; what it returns is checked by the caller."""
+        if action == "send":
+            self.count += 1
+            hidden, ids, weights = _request(tokens=1 + self.count % 8, seed=self.count)
+            self.client.send(self.count, hidden, ids, weights)
+            self.sent = hidden
+        elif action == "serve":
+            if self.server.ready():  # as the serving loop does: read, compute, publish
+                header, hidden, _, _ = self.server.request()
+                assert torch.equal(hidden, self.sent)
+                self.server.result_buffer(header.num_tokens).copy_(hidden * 2 + header.seq)
+                self.server.publish(header.seq, header.num_tokens)
+            else:  # an answer to no published request: a second or a late one
+                self.server.publish(self.server.last_seq, 1)
+        elif action == "reject":
+            if self.server.ready():
+                self.server.request()
+            self.server.reject(RejectReason.UNKNOWN_LAYER)
+        elif action == "wait":
+            return self.client.wait(0.0, spin=0.0)
+        elif action == "result":
+            return self.client.result().clone()
+        elif action == "leave":
+            self.client.leave()
+        elif action == "open":
+            self.server.open()
+            self.client = ClientSlot(self.remote, BASE, LAYOUT, REGION.bell)
+        elif action == "reclaim":
+            self.server.reclaim()
+            self.client = None
+
+
+def _actions_follow_the_model(region, remote, actions):
+    real, model = RealSlot(region, remote), SlotModel()
+    for action in actions:
+        if action in CLIENT_ACTIONS and real.client is None:
+            continue  # no client: no one to act
+        after = model_step(model, action)
+        if after is None:
+            rejected = action == "result" and model.client == S.SERVER_DONE
+            with pytest.raises(ProtocolError, match="UNKNOWN_LAYER" if rejected else None):
+                real.do(action)
+        else:
+            got = real.do(action)
+            if action == "wait":
+                assert got == (after.client == S.SERVER_DONE)
+            if action == "result":
+                assert torch.equal(got, real.sent * 2 + real.client.seq)
+            model = after
+        # The flag in memory is the model's state (one byte; bytes 1-3 stay zero), and the
+        # client's mirror is the model's client view.
+        assert region.view(BASE + LAYOUT.flag, 4).tolist() == [model.flag, 0, 0, 0], action
+        assert (real.client.state if real.client else None) == model.client, action
+
+
+# Requests and answers come twice as often as joins and departures, so that sequences get past
+# the first request and reach every state.
+ACTION_LISTS = st.lists(st.sampled_from(2 * ("send", "serve", "wait", "result")
+                                        + ("reject", "leave", "open", "reclaim")),
+                        min_size=10, max_size=60)
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=ACTION_LISTS)
+@pytest.mark.parametrize("transport", ["shm"], indirect=True)
+def test_random_actions_on_real_slot_ends_follow_the_model(region, remote, actions):
+    """send, serve, reject, wait, result, leave, open and reclaim in any order on the real ends
+    over shared memory: each succeeds or raises ``ProtocolError`` exactly when the model says,
+    and the flag in memory is the model's."""
+    _actions_follow_the_model(region, remote, actions)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=ACTION_LISTS)
+@pytest.mark.parametrize("transport", [b for b in BACKENDS if b != "shm"], indirect=True)
+def test_random_actions_follow_the_model_over_remote_backends(region, remote, actions):
+    """The same over Mooncake and the device kernels, where the client's end writes remotely."""
+    _actions_follow_the_model(region, remote, actions)
 
 
 @given(st.integers(0, 2**31), st.integers(1, 2**20), st.integers(1, 16), st.integers(1, 2**14),
@@ -230,6 +402,21 @@ def test_doorbell_wakes_a_sleeper_in_another_process():
         assert 0.5 < float(slept) < 10 and ok == "True"  # it slept, and woke on the ring
     finally:
         region.close()
+
+
+def test_an_answer_the_flag_refuses_changes_nothing(pair):
+    """A second answer to an answered request raises and leaves the first answer, header and
+    result, as the client reads it ("an illegal move raises ProtocolError and changes
+    nothing", docs/protocol.md)."""
+    client, server = pair
+    hidden, ids, weights = _request()
+    client.send(0, hidden, ids, weights)
+    header = server.request()[0]
+    server.result_buffer(3).copy_(hidden)
+    server.publish(header.seq, 3)
+    with pytest.raises(ProtocolError, match="SERVER_DONE"):
+        server.reject(RejectReason.UNKNOWN_LAYER)
+    assert client.wait(5.0) and torch.equal(client.result(), hidden)
 
 
 def test_reclaimed_slot_refuses_a_late_answer(pair):
