@@ -22,3 +22,34 @@ def hf_greedy(model_path: Path, prompts, max_new_tokens: int) -> list[list[int]]
             out = model.generate(ids, generation_config=config)
         outputs.append(out[0, ids.shape[1] :].tolist())
     return outputs
+
+
+def hf_routed_experts(model_path: Path) -> dict[int, torch.nn.Module]:
+    """``{layer: experts}``: each MoE layer's routed-experts module of the checkpoint as
+    transformers loads it (its own ``from_pretrained`` and weight conversion), float32.
+
+    The experts run transformers' eager per-expert loop (``experts_implementation="eager"``):
+    ``experts(x, top_k_index, top_k_weights)`` is ``sum_k w[t, k] * expert_{ids[t, k]}(x[t])``
+    with the routing given, not the gate's. Raises ``ValueError`` if transformers leaves any
+    weight unloaded or any checkpoint tensor unused (a reference with random weights would
+    prove nothing).
+    """
+    model, loading = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, experts_implementation="eager", output_loading_info=True
+    )
+    unloaded = {k: list(v) for k, v in loading.items() if v}
+    if unloaded:
+        raise ValueError(f"transformers did not load {model_path} cleanly: {unloaded}")
+    return {
+        i: layer.mlp.experts.eval()
+        for i, layer in enumerate(model.model.layers)
+        if hasattr(layer.mlp, "experts")
+    }
+
+
+def hf_expert_sum(experts: torch.nn.Module, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                  router_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' routed-expert output for ``hidden [T, H]`` routed to ``expert_ids [T, K]``
+    with ``router_weights [T, K]``."""
+    with torch.no_grad():
+        return experts(hidden, expert_ids.long(), router_weights.to(hidden.dtype))
