@@ -28,9 +28,18 @@ def _probe(env: dict[str, str], pythonpath: str = "") -> str:
                           text=True, check=True).stdout.strip()
 
 
+@pytest.mark.cpu_only
 def test_active_in_every_fresh_interpreter_of_this_cpu_machine():
     assert not cpu_runtime.has_cuda_device()
     assert _probe({}) == "True 1"
+
+
+@pytest.mark.gpu
+def test_inactive_in_every_fresh_interpreter_of_a_gpu_machine():
+    """On a GPU host SGLang keeps its own kernels: the runtime stays out unless forced on."""
+    assert cpu_runtime.has_cuda_device()
+    assert _probe({}) == "False None"
+    assert _probe({"SGLANG_EAAS_CPU_RUNTIME": "on"}) == "True 1"
 
 
 def test_forced_off_leaves_sglang_alone():
@@ -52,6 +61,7 @@ def test_cuda_device_disables_auto(monkeypatch):
     assert cpu_runtime.should_activate()
 
 
+@pytest.mark.cpu_only  # the stand-in is on sys.path only where the runtime is active
 def test_assign_req_to_token_pool_stand_in():
     from sgl_kernel import assign_req_to_token_pool_cpu
 
@@ -66,6 +76,7 @@ def test_assign_req_to_token_pool_stand_in():
     assert torch.equal(req_to_token, expected)
 
 
+@pytest.mark.cpu_only
 def test_unimplemented_names_raise_clearly():
     import sgl_kernel
 

@@ -1,8 +1,10 @@
 """The device backend's native side (ibgda/csrc/device): it compiles with nvcc, the kernels use
-system-scope release/acquire, the module loads and refuses bad input on a host without a GPU,
-and the transport refuses CUDA regions it cannot reach.
+system-scope release/acquire, the module loads and refuses bad input, and the transport refuses
+CUDA regions it cannot reach.
 
-Nothing here runs a kernel: no GPU is available to this project (docs/ibgda.md)."""
+Without nvcc the tests that compile are skipped. On a host without a GPU (this project's) no
+kernel runs and every CUDA call must fail (`cpu_only`); on a GPU host the `gpu` tests allocate
+device memory and run a put_signal / wait_flag / read round trip instead (never run here)."""
 
 from __future__ import annotations
 
@@ -13,16 +15,34 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ibgda import RegionHandle, TransportError, build_native, create_transport
 from ibgda.backends import device_cuda, device_nvshmem
 
 
+def _nvcc_or_skip() -> None:
+    """Skip the calling test (with the build's own sentence) where no nvcc can be found."""
+    try:
+        build_native.find_nvcc()
+    except build_native.BuildError as exc:
+        pytest.skip(str(exc))
+
+
+def _this_gpu_or_hopper() -> str:
+    """The architecture of this host's GPU, so the gpu tests can launch; sm_90 without one."""
+    if not torch.cuda.is_available():
+        return "sm_90"
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
     """The module built with the NVSHMEM kernels, for one architecture (compiling is slow)."""
+    _nvcc_or_skip()
     out = tmp_path_factory.mktemp("native")
-    path = build_native.build(out, ["sm_90"], nvshmem="on")
+    path = build_native.build(out, [_this_gpu_or_hopper()], nvshmem="on")
     spec = importlib.util.spec_from_file_location(build_native.MODULE, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -38,12 +58,14 @@ def _kernels(ptx: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("source", ["peer_kernels.cu", "nvshmem_kernels.cu"])
 def test_every_kernel_compiles(source, tmp_path):
+    _nvcc_or_skip()
     ptx = build_native.emit_ptx(source, "sm_90", tmp_path / "out.ptx",
                                 build_native.find_nvshmem()).read_text()
     assert set(_kernels(ptx)) == {"put_signal", "wait_flag", "read"}
 
 
 def test_peer_kernels_publish_with_release_and_poll_with_acquire(tmp_path):
+    _nvcc_or_skip()
     kernels = _kernels(build_native.emit_ptx("peer_kernels.cu", "sm_90",
                                              tmp_path / "peer.ptx").read_text())
     put = kernels["put_signal"]
@@ -54,7 +76,7 @@ def test_peer_kernels_publish_with_release_and_poll_with_acquire(tmp_path):
     assert ".release" not in kernels["read"]
 
 
-def test_module_loads_without_a_gpu(native):
+def test_module_loads_with_or_without_a_gpu(native):
     assert native.HAS_NVSHMEM and native.MAX_SECTIONS == 4 and native.IPC_HANDLE_BYTES == 64
     assert len(native.nvshmem_unique_id()) > 0  # host-side bootstrap needs no GPU
 
@@ -75,6 +97,7 @@ def test_accesses_outside_the_region_are_refused_before_any_launch(native):
         native.open_region(b"abc")
 
 
+@pytest.mark.cpu_only
 def test_cuda_calls_report_the_cuda_error(native):
     with pytest.raises(RuntimeError, match=r"cudaMalloc of a region failed: .*\(cudaError"):
         native.alloc_region(4096)
@@ -82,11 +105,61 @@ def test_cuda_calls_report_the_cuda_error(native):
         native.open_region(bytes(64))
 
 
-def test_build_refuses_what_it_cannot_do(monkeypatch):
+@pytest.mark.gpu
+def test_a_region_is_zeroed_device_memory_with_an_ipc_handle(native):
+    size = 1 << 16
+    region = native.alloc_region(size)
+    try:
+        assert region != 0
+        assert len(native.export_region(region)) == native.IPC_HANDLE_BYTES
+        out = torch.ones(size, dtype=torch.uint8, device="cuda")
+        native.read(region, size, 0, out.data_ptr(), size, torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert not out.any()
+    finally:
+        native.free_region(region)
+
+
+@pytest.mark.gpu
+def test_put_signal_then_wait_and_read_on_device_memory(native):
+    """One launch writes two sections and the flag; the wait sees the flag and the read the
+    sections; a wait for a value never stored gives up after its timeout."""
+    size, flag, stream = 1 << 20, 64, torch.cuda.current_stream().cuda_stream
+    region = native.alloc_region(size)
+    try:
+        a = torch.arange(1 << 16, dtype=torch.int32, device="cuda")
+        b = torch.full((1000,), 7, dtype=torch.uint8, device="cuda")
+        arrivals = torch.zeros(1, dtype=torch.int32, device="cuda")
+        status = torch.zeros(2, dtype=torch.int32, device="cuda")
+        native.put_signal(region, size, [(a.data_ptr(), 4096, a.numel() * 4),
+                                         (b.data_ptr(), 4096 + a.numel() * 4, b.numel())],
+                          flag, 3, arrivals.data_ptr(), stream)
+        native.wait_flag(region, size, flag, 3, 10**9, status.data_ptr(), stream)
+        out_a, out_b = torch.empty_like(a), torch.empty_like(b)
+        native.read(region, size, 4096, out_a.data_ptr(), a.numel() * 4, stream)
+        native.read(region, size, 4096 + a.numel() * 4, out_b.data_ptr(), b.numel(), stream)
+        torch.cuda.synchronize()
+        assert status.tolist() == [1, 3]
+        assert torch.equal(out_a, a) and torch.equal(out_b, b)
+        assert arrivals.item() == 0  # reset by the last block, for the next launch
+        native.wait_flag(region, size, flag, 4, 10**6, status.data_ptr(), stream)
+        torch.cuda.synchronize()
+        assert status.tolist() == [0, 3]
+    finally:
+        native.free_region(region)
+
+
+def test_build_refuses_what_it_cannot_do(monkeypatch, tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "ibgda.build_native", *args],
                               capture_output=True, text=True, timeout=60)
 
+    # A stand-in nvcc that never compiles: the architecture is refused before any nvcc step,
+    # so this part runs on hosts without the CUDA toolkit too.
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "bin" / "nvcc").chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
     result = run("--arch", "hopper")
     assert result.returncode == 1 and "'hopper' is not of the form sm_NN" in result.stderr
     monkeypatch.setenv("CUDA_HOME", "/nonexistent")
@@ -100,11 +173,19 @@ def test_a_cuda_region_of_another_node_is_refused():
         create_transport("device").connect(handle)
 
 
-def test_a_cuda_region_of_this_node_needs_the_module_then_a_gpu(native, monkeypatch):
-    handle = RegionHandle("device", f"cuda-ipc:{device_cuda.node_id()}:{'00' * 64}", 4096)
+def _this_node_handle() -> RegionHandle:
+    return RegionHandle("device", f"cuda-ipc:{device_cuda.node_id()}:{'00' * 64}", 4096)
+
+
+def test_a_cuda_region_of_this_node_needs_the_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "ibgda._device_cuda", None)  # as if never built
     with pytest.raises(TransportError, match="run 'python -m ibgda.build_native'"):
-        create_transport("device").connect(handle)
+        create_transport("device").connect(_this_node_handle())
+
+
+@pytest.mark.cpu_only
+def test_a_cuda_region_of_this_node_needs_a_gpu(native, monkeypatch):
+    handle = _this_node_handle()
     monkeypatch.setattr(device_cuda, "native", lambda: native)
     with pytest.raises(RuntimeError, match="cudaIpcOpenMemHandle failed"):
         create_transport("device").connect(handle)
