@@ -6,7 +6,7 @@ import pytest
 from conftest import MAX_NEW_TOKENS, PROMPTS, greedy_tokens, start_server
 from hf_reference import hf_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang on the CPU runtime (no GPU)
 
 
 def test_generate_answers(monolithic_qwen3):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import greedy_tokens, start_server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang on the CPU runtime (no GPU)
 
 
 def test_tp2_ep2_matches_tp1(monolithic_qwen3, tiny_qwen3):
