@@ -126,6 +126,19 @@ def test_uneven_placement_with_replicas(tiny_qwen3, expected, tmp_path):
     _check(expected, tokens, log)
 
 
+def test_sglang_dtype_spellings_reach_the_expert_servers(tiny_qwen3):
+    """``--dtype half`` (SGLang's alias): local expert servers hold float16 weights, as
+    monolithic SGLang does, and the tokens are the same."""
+    mono = start_server(tiny_qwen3, "--dtype", "half", name="monolithic-half")
+    try:
+        expected = greedy_tokens(mono)
+    finally:
+        mono.stop()
+    tokens, log = _run_eaas(tiny_qwen3, "--dtype", "half", name="eaas-half")
+    assert tokens == expected
+    assert log.count("sglang-eaas expert server ready") == 2
+
+
 def test_two_attention_ranks_share_remote_servers(tiny_qwen3, expected):
     """Servers started separately; --tp 2: each rank is a client with its own slots."""
     log_file = open_log("eaas-tp2-expert-servers")

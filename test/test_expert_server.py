@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -15,12 +16,14 @@ import torch
 from conftest import model_path, open_log
 from hf_reference import hf_expert_sum, hf_routed_experts
 from ibgda_backends import BACKENDS, backend_transport
+from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.client.launch import probe
 from sglang_eaas.client.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RequestHeader, SlotState
+from sglang_eaas.protocol.control import ControlChannel
 from sglang_eaas.protocol.header import RejectReason
 from sglang_eaas.tools.make_tiny_model import PRESETS
 
@@ -46,8 +49,14 @@ def servers(tiny_qwen3):
     log.close()
 
 
+@functools.cache
+def _identity() -> ModelIdentity:
+    """The tiny checkpoint's identity (shape fingerprint and expert weight digests)."""
+    return ModelIdentity.of(model_path(PRESETS["tiny"]))
+
+
 def _client(servers, info, name="test") -> EaasClient:
-    return EaasClient([s.address for s in servers], info, torch.float32, name)
+    return EaasClient([s.address for s in servers], info, _identity(), torch.float32, name)
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +104,14 @@ def test_results_match_over_every_backend(backend, info, tiny_qwen3, hf_experts,
                                     stdout=open_log(f"expert-server-{backend}"))
     try:
         with pytest.raises(TransportError, match=f"offers transport '{backend}'"):
-            EaasClient([server.address], info, torch.float32, "shm-only", transport="shm")
+            EaasClient([server.address], info, _identity(), torch.float32, "shm-only",
+                       transport="shm")
         g = torch.Generator().manual_seed(7)
         x = torch.randn(3, info.hidden_size, generator=g)
         ids = torch.stack([torch.randperm(info.num_experts, generator=g)[:2] for _ in range(3)])
         weights = torch.rand(3, 2, generator=g)
-        client = EaasClient([server.address], info, torch.float32, backend, transport=backend)
+        client = EaasClient([server.address], info, _identity(), torch.float32, backend,
+                            transport=backend)
         try:
             assert {c.region.handle.backend for c in client.connections} == {backend}
             out = [client.forward(layer, x, ids, weights) for layer in (0, 1)]
@@ -130,7 +141,7 @@ def _publish_corrupted(conn: ServerConnection, x, ids, weights) -> None:
 
 def test_rejections_are_counted_and_others_keep_being_served(servers, info):
     good, bad = _client(servers, info, "good"), ServerConnection(
-        servers[0].address, "bad", info.fingerprint(), "float32")
+        servers[0].address, "bad", _identity(), "float32")
     before = probe(servers[0].address)
     x, ids, w = torch.randn(2, info.hidden_size), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
     cases = {  # what goes wrong -> how to provoke it
@@ -159,9 +170,11 @@ def test_dead_client_slot_is_reclaimed(servers, info, tiny_qwen3):
     code = (
         "import sys, time, torch\n"
         "from sglang_eaas.client.client import EaasClient\n"
+        "from sglang_eaas.checkpoint import ModelIdentity\n"
         "from sglang_eaas.model_info import MoeModelInfo\n"
         f"c = EaasClient({[s.address for s in servers]!r}, MoeModelInfo.from_model_path("
-        f"{str(tiny_qwen3)!r}), torch.float32, 'doomed')\n"
+        f"{str(tiny_qwen3)!r}), ModelIdentity.of({str(tiny_qwen3)!r}), torch.float32, "
+        "'doomed')\n"
         "print('joined', flush=True); time.sleep(600)\n"
     )
     before = probe(servers[0].address)["clients"]
@@ -207,9 +220,8 @@ def test_closing_waits_for_the_server_but_not_for_a_hung_one(servers, info):
 
 
 def test_join_refused_for_another_model(servers, tiny_mixtral):
-    other = MoeModelInfo.from_model_path(tiny_mixtral)
     with pytest.raises(TransportError, match="does not match the client's model"):
-        ServerConnection(servers[0].address, "x", other.fingerprint(), "float32")
+        ServerConnection(servers[0].address, "x", ModelIdentity.of(tiny_mixtral), "float32")
 
 
 def test_idle_server_does_not_burn_a_core(servers):
@@ -254,7 +266,7 @@ def test_cli_refuses_bad_arguments(tiny_qwen3):
 def test_unauthenticated_clients_are_refused(servers, info, monkeypatch):
     before = probe(servers[0].address).get("refused_connections", 0)
     with pytest.raises(TransportError, match="authentication failed"):
-        ServerConnection(servers[0].address, "intruder", info.fingerprint(), "float32",
+        ServerConnection(servers[0].address, "intruder", _identity(), "float32",
                          token="wrong")
     with monkeypatch.context() as env:
         env.delenv("SGLANG_EAAS_TOKEN")
@@ -265,17 +277,15 @@ def test_unauthenticated_clients_are_refused(servers, info, monkeypatch):
 
 def test_a_join_never_confirmed_leaves_nothing_behind(servers, info):
     """A client that joins but dies before 'ready' holds no slot: all slots can be taken."""
-    import json
-    import os
-    import socket
-
-    host, port = servers[0].address.rsplit(":", 1)
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall((json.dumps({"op": "join", "client": "half", "dtype": "float32",
-                                  "fingerprint": info.fingerprint(),
-                                  "token": os.environ["SGLANG_EAAS_TOKEN"]}) + "\n").encode())
-        reply = json.loads(sock.makefile().readline())
+    channel = ControlChannel(servers[0].address, os.environ["SGLANG_EAAS_TOKEN"])
+    try:
+        identity = _identity()
+        reply = channel.call("join", client="half", dtype="float32", transport="auto",
+                             fingerprint=identity.fingerprint,
+                             expert_digests=list(identity.expert_digests))
         assert reply["ok"] and probe(servers[0].address)["clients"] == 0  # reserved, not served
+    finally:
+        channel.close()
     deadline = time.monotonic() + 10
     clients = []
     try:
@@ -296,7 +306,7 @@ def test_minimum_batch_gathers_requests_of_several_clients(tiny_qwen3, info):
                                     extra_args=("--min-batch-tokens", "4",
                                                 "--max-wait-us", "5000000"),
                                     stdout=subprocess.DEVNULL)
-    a, b = (ServerConnection(server.address, n, info.fingerprint(), "float32") for n in "ab")
+    a, b = (ServerConnection(server.address, n, _identity(), "float32") for n in "ab")
     try:
         x, ids = torch.randn(2, info.hidden_size), torch.tensor([[0, 1], [2, 3]])
         w = torch.rand(2, 2)

@@ -426,3 +426,24 @@ def test_reclaimed_slot_refuses_a_late_answer(pair):
     server.reclaim()  # the client died meanwhile
     with pytest.raises(ProtocolError, match="OFFLINE"):
         server.publish(1, 3)
+
+
+def test_an_answer_for_the_previous_client_never_passes_for_the_next(pair, region, remote):
+    """A slot reclaimed mid-request and handed to a new client (join number << 32 as its
+    sequence base): the old request's late answer lands in the new client's slot, and the new
+    client refuses it instead of taking it for its own."""
+    old_client, old_server = pair
+    old_client.send(0, *_request())
+    late = old_server.request()[0]  # being computed when the client dies
+    old_server.reclaim()
+    new_server = ServerSlot(region, BASE, LAYOUT)
+    new_server.open(first_seq=2 << 32)
+    new_client = ClientSlot(remote, BASE, LAYOUT, REGION.bell, first_seq=2 << 32)
+    hidden, ids, weights = _request(seed=1)
+    new_client.send(0, hidden, ids, weights)
+    assert new_client.seq == (2 << 32) + 1
+    old_server.result_buffer(3).copy_(hidden)
+    old_server.publish(late.seq, 3)  # the late answer (same token count)
+    assert new_client.wait(5.0)
+    with pytest.raises(ProtocolError, match=f"result is for request {late.seq} of 3"):
+        new_client.result()

@@ -35,11 +35,11 @@ def parse_address(text: str, allow_port_zero: bool = False) -> Address:
     ``allow_port_zero``, for a listener that picks a free port).
     """
     text = text.strip()
-    if text.startswith("[") or text.count(":") > 1:
+    if text.startswith("[") or _is_ipv6(text) or _is_ipv6(text.rpartition(":")[0]):
         raise AddressError(f"{text!r}: IPv6 addresses are not supported (the control endpoint "
                            "and the transports use IPv4); give an IPv4 address or a host name")
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not host or not port.isdigit() or ":" in host:
         raise AddressError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:7000)")
     low = 0 if allow_port_zero else 1
     if not low <= int(port) <= 65535:
@@ -47,6 +47,14 @@ def parse_address(text: str, allow_port_zero: bool = False) -> Address:
     if not _valid_host(host):
         raise AddressError(f"{text!r}: {host!r} is neither an IPv4 address nor a host name")
     return Address(host, int(port))
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _valid_host(host: str) -> bool:

@@ -33,7 +33,8 @@ class ServerConnection:
             self.moe_layers: list[int] = reply.moe_layers
             handle = RegionHandle.from_dict(reply.region)
             self.region = create_transport(handle.backend).connect(handle)
-            self.slot = ClientSlot(self.region, reply.base, self.layout, reply.bell)
+            self.slot = ClientSlot(self.region, reply.base, self.layout, reply.bell,
+                                   reply.first_seq)
             self._channel.call("ready")
         except BaseException:
             self.close()

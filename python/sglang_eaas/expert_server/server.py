@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import threading
@@ -77,6 +78,9 @@ class ExpertServer:
         self._lock = threading.Lock()
         self._active: dict[int, ServerSlot] = {}  # replaced, never mutated: the loop reads it
         self._reserved: set[int] = set()  # joined, not yet ready
+        # Each join's requests count in a range of their own (join number << 32), so an answer
+        # still in flight for a slot's previous client can never pass for the new client's.
+        self._joins = itertools.count(1)
         self.stats: collections.Counter[str] = collections.Counter()
         self.control = ControlServer((config.host, config.port), config.token, self._join,
                                      self._stats)
@@ -129,14 +133,15 @@ class ExpertServer:
                     "slots taken; start it with a larger --max-clients"))
             index = free[0]
             self._reserved.add(index)
+            first_seq = next(self._joins) << 32
         layout = SlotLayout(self.config.max_tokens, self.info.hidden_size, self.info.top_k,
                             DTYPE_CODES[dtype])
         slot = ServerSlot(self.region, self.region_layout.base(index), layout)
         reply = JoinReply(slot=index, region=self.region.handle.to_dict(), base=slot.base,
                           bell=self.region_layout.bell, layout=layout,
                           experts=list(self.config.experts),
-                          moe_layers=list(self.info.moe_layers))
-        return reply, _Membership(self, index, slot, request.client)
+                          moe_layers=list(self.info.moe_layers), first_seq=first_seq)
+        return reply, _Membership(self, index, slot, request.client, first_seq)
 
     def _stats(self) -> dict[str, Any]:
         return {**self.stats, "weight_bytes": self.weight_bytes(),
@@ -249,14 +254,16 @@ class _Membership:
     slot to the pool: nothing stays half-registered and the client can simply join again.
     """
 
-    def __init__(self, server: ExpertServer, index: int, slot: ServerSlot, client: str):
+    def __init__(self, server: ExpertServer, index: int, slot: ServerSlot, client: str,
+                 first_seq: int):
         self.server, self.index, self.slot, self.client = server, index, slot, client
+        self.first_seq = first_seq
         self.active = False
 
     def activate(self) -> None:
         server = self.server
         with server._lock:
-            self.slot.open()
+            self.slot.open(self.first_seq)
             server._reserved.discard(self.index)
             server._active = {**server._active, self.index: self.slot}
             server.stats["clients_joined"] += 1

@@ -95,6 +95,7 @@ class JoinReply:
     layout: SlotLayout
     experts: list[int]
     moe_layers: list[int]
+    first_seq: int  # the client's first request is first_seq + 1 (a fresh range per join)
 
     def to_message(self) -> dict[str, Any]:
         return {"ok": True, **asdict(self), "layout": {
@@ -105,7 +106,8 @@ class JoinReply:
         layout = dict(message["layout"])
         layout["dtype"] = DType(layout["dtype"])
         return cls(message["slot"], message["region"], message["base"], message["bell"],
-                   SlotLayout(**layout), list(message["experts"]), list(message["moe_layers"]))
+                   SlotLayout(**layout), list(message["experts"]), list(message["moe_layers"]),
+                   message["first_seq"])
 
 
 OPS = ("join", "ready", "stats", "leave")

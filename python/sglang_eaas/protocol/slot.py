@@ -67,9 +67,11 @@ class ClientSlot:
     made once, so a round trip costs a few tensor ops beyond the copies themselves.
     """
 
-    def __init__(self, region: RemoteRegion, base: int, layout: SlotLayout, server_bell: int):
+    def __init__(self, region: RemoteRegion, base: int, layout: SlotLayout, server_bell: int,
+                 first_seq: int = 0):
+        """``first_seq``: the join's sequence base; the first request is ``first_seq + 1``."""
         self.region, self.base, self.layout = region, base, layout
-        self.server_bell, self.seq = server_bell, 0
+        self.server_bell, self.seq = server_bell, first_seq
         self.dtype = TORCH_DTYPES[layout.dtype]
         self.state = SlotState.EMPTY
         self._tokens = 0
@@ -249,15 +251,21 @@ class ServerSlot:
         self._answer(ResultHeader(ResultStatus.REJECTED, self.last_seq, 0, reason))
 
     def _answer(self, header: ResultHeader) -> None:
-        """Header, then SERVER_DONE (release), then the client's doorbell."""
+        """Header, then SERVER_DONE (release), then the client's doorbell. A move the flag
+        does not allow raises before anything is written (an earlier answer stays intact)."""
+        check_transition(Actor.SERVER, self.state(), SlotState.SERVER_DONE)
         packed = header.pack()
         self._views.result_header.write(packed)
         self._move(SlotState.SERVER_DONE)
         self.region.notify(self._bell)
 
-    def open(self) -> None:
-        """Hand the (OFFLINE) slot to a newly joined client."""
-        self.last_seq = 0
+    def open(self, first_seq: int = 0) -> None:
+        """Hand the slot to a newly joined client whose requests count from ``first_seq + 1``:
+        EMPTY, whatever its flag holds. The slot is reserved, not polled, until now, but the
+        client has had it mapped since its join and a misbehaving one may have written the flag
+        already; refusing the slot then would refuse every later client it is offered to."""
+        self.last_seq = first_seq
+        self.reclaim()
         self._move(SlotState.EMPTY)
 
     def reclaim(self) -> None:
