@@ -3,7 +3,8 @@
 ``HostMemory`` is the mechanism; ``HostLocalRegion`` (the owner's side) and
 ``MappedRemoteRegion`` (a peer that maps the same pages) are the two ``ibgda`` regions on top.
 All flag and word accesses go through ``ibgda._host_atomics`` (C11 release/acquire atomics and
-futexes), so the ordering rule holds on any CPU, not only on x86-64.
+futexes), written so the ordering rule holds on weakly ordered CPUs too; tested on x86-64 only
+(test/test_shm_ordering.py).
 """
 
 from __future__ import annotations

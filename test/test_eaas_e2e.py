@@ -16,7 +16,7 @@ from hf_reference import hf_greedy
 
 from sglang_eaas.client.local_servers import start_local_servers
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang through the CPU runtime
 PARAMS = re.compile(r"model parameters (\d+) bytes, routed-expert parameters (\d+) bytes")
 
 
