@@ -1,13 +1,15 @@
 """Generate a small random MoE checkpoint in Hugging Face format, offline and deterministically.
 
-    python -m sglang_eaas.tools.make_tiny_model OUT --arch qwen3_moe|mixtral [--preset tiny|bench]
-        [--layers N] [--experts N] [--top-k N] [--hidden N] [--moe-intermediate N] [--heads N]
-        [--kv-heads N] [--vocab-size N] [--dtype float32|bfloat16] [--seed N]
+    python -m sglang_eaas.tools.make_tiny_model OUT --arch qwen3_moe|mixtral
+        [--preset tiny|tiny-top4|bench] [--layers N] [--experts N] [--top-k N] [--hidden N]
+        [--moe-intermediate N] [--heads N] [--kv-heads N] [--vocab-size N]
+        [--dtype float32|bfloat16] [--seed N]
 
 OUT receives config.json, model.safetensors (per-expert tensor names, as real checkpoints),
 generation_config.json and a byte-level BPE tokenizer with a ChatML chat template. The same
-arguments give the same bytes. Presets: ``tiny`` builds in seconds, for tests; ``bench`` makes the
-routed experts dominate compute on a CPU, for benchmarks.
+arguments give the same bytes. Presets: ``tiny`` builds in seconds, for tests; ``tiny-top4`` (top-4
+of 16 experts) too, for tests of sums over more than two experts; ``bench`` makes the routed
+experts dominate compute on a CPU, for benchmarks.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class ModelSpec:
 
 PRESETS = {
     "tiny": ModelSpec(),
+    # Top-4 of 16 experts over 4 layers: a token's partial sums split across 3+ expert servers,
+    # so the order of additions is exercised (with top-2, a + 0 = a makes it exact anyway).
+    "tiny-top4": ModelSpec(layers=4, experts=16, top_k=4, hidden=128, moe_intermediate=64),
     # Experts dominate: per token and layer the routed experts do top_k * 3 * hidden *
     # moe_intermediate = 6.3M multiply-adds, attention projections about 3.1M.
     "bench": ModelSpec(
@@ -186,8 +191,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Path, ModelSpec]:
     )
     parser.add_argument("out", type=Path, help="output directory (created if missing)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="starting sizes: 'tiny' (seconds, tests) or 'bench' (experts "
-                        "dominate CPU compute); options below override single values")
+                        help="starting sizes: 'tiny' (seconds, tests), 'tiny-top4' (top-4 of 16 "
+                        "experts, tests) or 'bench' (experts dominate CPU compute); options "
+                        "below override single values")
     parser.add_argument("--arch", choices=ARCHES, help="model family (default qwen3_moe)")
     parser.add_argument("--layers", type=int, help="number of decoder layers, all MoE")
     parser.add_argument("--experts", type=int, help="routed experts per layer")
