@@ -1,0 +1,66 @@
+"""Paste the benchmark reports into docs/benchmarks.md.
+
+Every block of the doc between ``<!-- report: .cache/bench/NAME.md -->`` and
+``<!-- end of report -->`` is replaced by that file, as the benchmark script wrote it (the
+header with command, commit, date and machine, then the tables). Nothing else in the doc
+changes. Run it after the benchmark scripts:
+
+    .venv/bin/python scripts/bench_paste.py [--doc docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"(<!-- report: (?P<path>\S+) -->\n)(?P<body>.*?)(<!-- end of report -->)",
+                   re.DOTALL)
+
+
+def paste(doc: str, root: Path) -> tuple[str, list[str]]:
+    """``doc`` with every report block refilled from its file under ``root``; the files used.
+
+    Raises ``FileNotFoundError`` naming the first report that has not been written yet.
+    """
+    used = []
+
+    def refill(match: re.Match) -> str:
+        path = root / match["path"]
+        if not path.is_file():
+            raise FileNotFoundError(f"{match['path']} does not exist: run the benchmark that "
+                                    "writes it first")
+        used.append(match["path"])
+        return match[1] + path.read_text().rstrip("\n") + "\n" + match[4]
+
+    return BLOCK.sub(refill, doc), used
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md",
+                        help="the markdown file to refill; default docs/benchmarks.md")
+    args = parser.parse_args()
+    try:
+        doc = args.doc.read_text()
+    except OSError as exc:
+        print(f"bench_paste: error: cannot read {args.doc}: {exc.strerror}", file=sys.stderr)
+        return 1
+    try:
+        text, used = paste(doc, ROOT)
+    except FileNotFoundError as exc:
+        print(f"bench_paste: error: {exc}", file=sys.stderr)
+        return 1
+    if not used:
+        print(f"bench_paste: error: {args.doc} has no '<!-- report: PATH -->' block",
+              file=sys.stderr)
+        return 1
+    args.doc.write_text(text)
+    print(f"bench_paste: {args.doc}: pasted {', '.join(used)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
