@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from sglang_eaas.tools.make_tiny_model import PRESETS
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang through the CPU runtime
 
 NEW_TOKENS = 48
 EAAS = ("--eaas", "--eaas-expert-servers", "local:3")  # experts 0-5, 6-10, 11-15

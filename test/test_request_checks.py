@@ -70,6 +70,7 @@ def _bad_prompts(vocab: int) -> list[BadPrompt]:
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only  # SGLang through the CPU runtime
 @pytest.mark.parametrize("server_fixture", ["monolithic_qwen3", "eaas_qwen3"])
 def test_out_of_vocab_prompt_is_400_and_server_keeps_serving(
         request, server_fixture, tiny_qwen3, reference):
