@@ -67,7 +67,7 @@ def say(message: str) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="The default run takes 3.5-4.5 minutes on 2 CPU cores (two server starts "
+        epilog="The default run takes 3-4.5 minutes on 2 CPU cores (two server starts "
         "included). Run it on an otherwise idle machine: other load skews the ratios.",
     )
     parser.add_argument("--servers", type=int, default=2,

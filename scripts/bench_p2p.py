@@ -135,7 +135,7 @@ def variants_arg(text: str) -> list[str]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="The default run takes about 1.5 minutes on 2 CPU cores, process starts "
+        epilog="The default run takes 2-6 minutes on 2 CPU cores, process starts "
         "included. Run it on an otherwise idle machine: other load skews every number.",
     )
     parser.add_argument("--batch-sizes", type=batch_sizes_arg,
