@@ -21,7 +21,7 @@ from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RegionLayout, SlotLayout, SlotState
 from sglang_eaas.protocol.header import HeaderError, RejectReason, RequestHeader
-from sglang_eaas.protocol.control import ControlError, JoinReply, JoinRequest
+from sglang_eaas.protocol.control import ControlError, JoinReply, JoinRequest, shown
 from sglang_eaas.protocol.slot import (
     DTYPE_CODES, DTYPES_BY_NAME, POLL_SPIN_US, ServerSlot, dtype_name,
 )
@@ -117,13 +117,13 @@ class ExpertServer:
         if request.transport not in (transports.AUTO, self.transport.name):
             raise ControlError("join_other_transport", (
                 f"expert server {self.address} offers transport {self.transport.name!r}, the "
-                f"client asked for {request.transport!r}; start the server with --transport "
-                f"{request.transport} or the client with --eaas-transport "
+                f"client asked for {shown(request.transport)}; start the server with "
+                f"--transport {shown(request.transport)} or the client with --eaas-transport "
                 f"{self.transport.name} (or auto)"))
         dtype = DTYPES_BY_NAME.get(request.dtype)
         if dtype is None:
-            raise ControlError("bad_field", f"unsupported dtype {request.dtype!r} (expected one "
-                               f"of {', '.join(DTYPES_BY_NAME)})")
+            raise ControlError("bad_field", f"unsupported dtype {shown(request.dtype)} (expected "
+                               f"one of {', '.join(DTYPES_BY_NAME)})")
         with self._lock:
             free = [i for i in range(self.config.max_clients)
                     if i not in self._active and i not in self._reserved]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import reprlib
 import socket
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -47,6 +48,17 @@ def auth_line(token: str) -> bytes:
 def authenticated(line: bytes, token: str) -> bool:
     """Whether the first line of a connection carries ``token`` (constant-time compare)."""
     return hmac.compare_digest(line.rstrip(b"\r\n"), auth_line(token)[:-1])
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 60
+_SHOWN.maxlevel = 3
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, cut short: a refusal names what it refuses without echoing it whole (a
+    1 MiB field echoed back would make a reply longer than a client reads, MAX_LINE)."""
+    return _SHOWN.repr(value)
 
 
 # -- messages -------------------------------------------------------------------------------
@@ -127,7 +139,8 @@ def parse_request(line: bytes) -> tuple[str, JoinRequest | None]:
                            f"{type(message).__name__}")
     op = message.get("op")
     if op not in OPS:
-        raise ControlError("unknown_op", f"unknown op {op!r} (expected one of {', '.join(OPS)})")
+        raise ControlError("unknown_op", f"unknown op {shown(op)} (expected one of "
+                           f"{', '.join(OPS)})")
     if op == "join":
         return op, JoinRequest(**_check_fields(JoinRequest, message))
     return op, None
