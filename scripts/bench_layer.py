@@ -101,19 +101,19 @@ def check_round_trip(client: EaasClient, math: LayerMath, batches: list[Batch]) 
 
 
 def round_trip_table(trips: dict[int, dict[str, float]], share: dict[int, MathTiming],
-                     whole: dict[int, MathTiming]) -> str:
+                     sglang: dict[int, dict[int, MathTiming]]) -> str:
     """Per batch: the phases and the whole round trip, then what it adds to one server's math
-    and how it compares with SGLang computing the layer itself."""
+    and how it compares with SGLang computing the layer itself at 1 and 2 threads."""
     header = ["batch", "calls", "send us", "wait us", "read us", "rest us", "round trip us",
-              "one server's math us", "round trip - math us", "SGLang MoE us",
-              "round trip / SGLang"]
+              "one server's math us", "round trip - math us", "round trip / SGLang 1 thread",
+              "round trip / SGLang 2 threads"]
     lines = ["| " + " | ".join(header) + " |", "|---:" * len(header) + "|"]
     for batch, t in trips.items():
-        math, sglang = share[batch].eaas_us, whole[batch].sglang_us
+        math = share[batch].eaas_us
         cells = [str(batch), str(t["calls"])]
         cells += [f"{t[n]:.1f}" for n in (*PHASES, "rest", "total")]
-        cells += [f"{math:.1f}", f"{t['total'] - math:.1f}", f"{sglang:.1f}",
-                  f"{t['total'] / sglang:.2f}x"]
+        cells += [f"{math:.1f}", f"{t['total'] - math:.1f}"]
+        cells += [f"{t['total'] / sglang[threads][batch].sglang_us:.2f}x" for threads in (1, 2)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -216,11 +216,10 @@ def main() -> int:
         f"Round trip per MoE layer (EaasClient.forward): one client at 1 torch thread, "
         f"{args.servers} expert servers over shm ({len(placements[0])} experts and 1 thread "
         f"each); {medians}. rest = round trip - send - wait - read (routing, combine); one "
-        f"server's math = weighted_expert_sum of server 0's share at 1 thread; SGLang MoE = "
-        f"moe_forward_native of all {info.num_experts} experts at 2 threads (both from the "
-        f"next table):\n\n"
+        f"server's math = weighted_expert_sum of server 0's share at 1 thread; SGLang = "
+        f"moe_forward_native of all {info.num_experts} experts (both from the next table):\n\n"
         + round_trip_table(trips, {b: timings["share", 1, b] for b in batches},
-                           {b: timings["whole", 2, b] for b in batches}))
+                           {n: {b: timings["whole", n, b] for b in batches} for n in (1, 2)}))
     report.add(f"Expert math per MoE layer in this process, {medians}; ratio = "
                "weighted_expert_sum / moe_forward_native on the same weights and entries:\n\n"
                + math_table(list(timings.values())))
