@@ -263,6 +263,10 @@ class _Membership:
     def activate(self) -> None:
         server = self.server
         with server._lock:
+            # The client has had the slot mapped since its join, and a misbehaving one may have
+            # written the flag before 'ready'; the slot goes OFFLINE first, or it would refuse
+            # every later client it is offered to.
+            self.slot.reclaim()
             self.slot.open(self.first_seq)
             server._reserved.discard(self.index)
             server._active = {**server._active, self.index: self.slot}

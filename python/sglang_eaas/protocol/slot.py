@@ -260,12 +260,9 @@ class ServerSlot:
         self.region.notify(self._bell)
 
     def open(self, first_seq: int = 0) -> None:
-        """Hand the slot to a newly joined client whose requests count from ``first_seq + 1``:
-        EMPTY, whatever its flag holds. The slot is reserved, not polled, until now, but the
-        client has had it mapped since its join and a misbehaving one may have written the flag
-        already; refusing the slot then would refuse every later client it is offered to."""
+        """Hand the (OFFLINE) slot to a newly joined client whose requests count from
+        ``first_seq + 1``."""
         self.last_seq = first_seq
-        self.reclaim()
         self._move(SlotState.EMPTY)
 
     def reclaim(self) -> None:
