@@ -70,10 +70,10 @@ class PhaseClock:
         return timed
 
 
-def round_trips(client: EaasClient, batches: list[Batch], budget: Budget) -> dict[str, float]:
+def round_trips(client: EaasClient, clock: PhaseClock, batches: list[Batch],
+                budget: Budget) -> dict[str, float]:
     """Median microseconds per layer call of each phase, the rest and the whole round trip;
     ``calls``: how many layer calls the medians are over."""
-    clock = PhaseClock(client)
     samples: dict[str, list[float]] = collections.defaultdict(list)
 
     def call(b: Batch) -> None:
@@ -162,6 +162,38 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def measure_round_trips(model: Path, info: MoeModelInfo, placements: list[list[int]],
+                        batches: dict[int, list[Batch]], whole: LayerMath,
+                        budget: Budget) -> dict[int, dict[str, float]]:
+    """Start the expert servers, join them with one client at 1 torch thread, check its answer
+    against ``whole`` and time its round trips per batch size; stop the servers."""
+    os.environ.setdefault(envs.TOKEN.name, secrets.token_hex(16))
+    log_path = ROOT / ".cache" / "logs" / "bench-layer-servers.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    say(f"starting {len(placements)} expert servers (log: {log_path})")
+    trips = {}
+    torch.set_num_threads(1)
+    with open(log_path, "w") as log:
+        servers = start_local_servers(model, placements, "bfloat16", max_clients=1,
+                                      extra_args=("--transport", "shm"), stdout=log)
+        try:
+            client = EaasClient([s.address for s in servers], info,
+                                ModelIdentity.of(model, info), DTYPE, "bench_layer",
+                                transport="shm")
+            try:
+                clock = PhaseClock(client)
+                for batch, inputs in batches.items():
+                    check_round_trip(client, whole, inputs)
+                    trips[batch] = round_trips(client, clock, inputs, budget)
+                    say(f"batch {batch}: round trip {trips[batch]['total']:.1f} us")
+            finally:
+                client.close()
+        finally:
+            for server in servers:
+                server.stop()
+    return trips
+
+
 def main() -> int:
     args = parse_args()
     report = Report(args.out)
@@ -177,30 +209,8 @@ def main() -> int:
     say(f"loading experts of {model.name}")
     share = LayerMath(load_experts(model, info, placements[0], DTYPE))
     whole = LayerMath(load_experts(model, info, list(range(info.num_experts)), DTYPE))
-    os.environ.setdefault(envs.TOKEN.name, secrets.token_hex(16))
-    log_path = ROOT / ".cache" / "logs" / "bench-layer-servers.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    say(f"starting {args.servers} expert servers (log: {log_path})")
     budget = Budget(args.warmup, args.iterations, args.point_seconds)
-    trips = {}
-    torch.set_num_threads(1)
-    with open(log_path, "w") as log:
-        servers = start_local_servers(model, placements, "bfloat16", max_clients=1,
-                                      extra_args=("--transport", "shm"), stdout=log)
-        try:
-            client = EaasClient([s.address for s in servers], info,
-                                ModelIdentity.of(model, info), DTYPE, "bench_layer",
-                                transport="shm")
-            try:
-                for batch, inputs in batches.items():
-                    check_round_trip(client, whole, inputs)
-                    trips[batch] = round_trips(client, inputs, budget)
-                    say(f"batch {batch}: round trip {trips[batch]['total']:.1f} us")
-            finally:
-                client.close()
-        finally:
-            for server in servers:
-                server.stop()
+    trips = measure_round_trips(model, info, placements, batches, whole, budget)
     timings: dict[tuple[str, int, int], MathTiming] = {}
     for name, math in (("share", share), ("whole", whole)):
         for threads in (1, 2):
