@@ -162,6 +162,54 @@ def test_refusals_do_not_echo_unbounded_input(server, tiny_qwen3):
         assert after[reason] == before.get(reason, 0) + 1
 
 
+def test_a_slot_rejoined_under_a_stale_snapshot_is_read_as_the_new_clients(tiny_qwen3):
+    """Found by fuzzing (1 case in 10^5): the serving loop walks a snapshot of the active slots;
+    a client that left and a new one that joined the same index and published meanwhile had
+    its request read through the old client's slot (its layout and sequence number). Here the
+    leave, join and publish happen exactly between the snapshot and the loop's flag check."""
+    import torch
+    from ibgda import RegionHandle, create_transport
+    from sglang_eaas.expert_server.server import ExpertServer, ExpertServerConfig
+    from sglang_eaas.protocol.control import JoinRequest
+    from sglang_eaas.protocol.slot import ClientSlot
+
+    identity = ModelIdentity.of(tiny_qwen3)
+    server = ExpertServer(ExpertServerConfig(str(tiny_qwen3), (0, 1, 2, 3), token=TOKEN,
+                                             max_clients=1, max_tokens=8))
+
+    def join(dtype: str):
+        reply, member = server._join(JoinRequest("c", identity.fingerprint, dtype, "auto",
+                                                 list(identity.expert_digests)))
+        member.activate()
+        return reply, member
+
+    try:
+        _, old_member = join("float32")
+        old_slot, new = old_member.slot, {}
+        real_ready = old_slot.ready
+
+        def leave_join_publish() -> bool:  # control threads, while the loop holds its snapshot
+            old_member.release()
+            reply, _ = join("bfloat16")
+            remote = create_transport("shm").connect(RegionHandle.from_dict(reply.region))
+            new["client"] = ClientSlot(remote, reply.base, reply.layout, reply.bell,
+                                       reply.first_seq)
+            new["client"].send(0, torch.ones(2, 64), torch.tensor([[0, 1], [2, -1]]),
+                               torch.full((2, 2), 0.5))
+            old_slot.ready = real_ready
+            return real_ready()
+
+        old_slot.ready = leave_join_publish
+        server.poll_once()  # the stale pass: must leave the new client's request alone
+        server.poll_once()
+        client = new["client"]
+        assert client.wait(5)
+        assert client.result().shape == (2, 64)  # rejected (BAD_SIZES) before the fix
+        assert not any(k.startswith("rejected_") for k in server.stats)
+    finally:
+        server.close()
+
+
 def _peer(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host, int(port)

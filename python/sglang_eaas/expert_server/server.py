@@ -151,25 +151,33 @@ class ExpertServer:
 
     # -- data plane ----------------------------------------------------------------------
     def _collect(self, taken: set[int] = frozenset()) -> list[_Ready]:
-        """Validate every ready slot not in ``taken``; reject bad requests at once."""
+        """Validate every ready slot not in ``taken``; reject bad requests at once.
+
+        A slot is read under the membership lock, and only while it is still the one active at
+        its index: the snapshot this loop walks may predate a leave and a new join of that
+        index, whose client may have published already (its request would be read with the
+        old client's layout and sequence number)."""
         ready = []
         for index, slot in self._active.items():
             if index in taken or not slot.ready():
                 continue
-            try:
-                header, hidden, ids, weights = slot.request()
-                layer = self.layers.get(header.layer_id)
-                if layer is None:
-                    raise HeaderError(RejectReason.UNKNOWN_LAYER, f"layer {header.layer_id}")
+            with self._lock:
+                if self._active.get(index) is not slot:
+                    continue  # its client left; the next pass sees the new one
                 try:
-                    local = local_experts(layer, ids)
-                except ValueError as exc:
-                    raise HeaderError(RejectReason.FOREIGN_EXPERT, str(exc)) from None
-                ready.append(_Ready(index, slot, header, hidden, local, weights))
-            except HeaderError as exc:
-                self.stats[f"rejected_{exc.reason.name.lower()}"] += 1
-                logger.warning("rejected a request in slot at %d: %s", slot.base, exc)
-                self._answer(slot.reject, exc.reason)
+                    header, hidden, ids, weights = slot.request()
+                    layer = self.layers.get(header.layer_id)
+                    if layer is None:
+                        raise HeaderError(RejectReason.UNKNOWN_LAYER, f"layer {header.layer_id}")
+                    try:
+                        local = local_experts(layer, ids)
+                    except ValueError as exc:
+                        raise HeaderError(RejectReason.FOREIGN_EXPERT, str(exc)) from None
+                    ready.append(_Ready(index, slot, header, hidden, local, weights))
+                except HeaderError as exc:
+                    self.stats[f"rejected_{exc.reason.name.lower()}"] += 1
+                    logger.warning("rejected a request in slot at %d: %s", slot.base, exc)
+                    self._answer(slot.reject, exc.reason)
         return ready
 
     def _answer(self, publish: Callable, *args) -> None:
