@@ -215,7 +215,6 @@ def _peer(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-@pytest.mark.slow
 def test_fuzz_script_runs_and_reports(tmp_path):
     """The script: a short run passes, saves its report with the counts table, exits 0."""
     out = tmp_path / "fuzz.md"
