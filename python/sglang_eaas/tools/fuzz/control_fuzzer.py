@@ -93,7 +93,7 @@ def run_case(address: tuple[str, int], case: ControlCase) -> list[str]:
             if case.tail:
                 sock.sendall(case.tail)
         except socket.timeout:
-            raise
+            raise  # a hung server: the caller stops the run
         except OSError as exc:
             if not case.may_reset:
                 wrong.append(f"'{case.kind}': {exc}")
