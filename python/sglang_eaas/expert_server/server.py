@@ -187,6 +187,21 @@ class ExpertServer:
             self.stats["answers_dropped"] += 1
             logger.info("answer dropped: %s", exc)
 
+    def _reply(self, r: _Ready, rows: torch.Tensor | None) -> None:
+        """Write ``rows`` into ``r``'s slot and publish them (``None``: reject SERVER_ERROR),
+        under the membership lock and only while ``r``'s slot is still the one active at its
+        index: its client may have left during the computation and another joined the index,
+        whose slot (another dtype, other offsets) the old answer must not touch."""
+        with self._lock:
+            if self._active.get(r.index) is not r.slot:
+                self.stats["answers_dropped"] += 1
+                return
+            if rows is None:
+                self._answer(r.slot.reject, RejectReason.SERVER_ERROR)
+            else:
+                r.slot.result_buffer(rows.shape[0]).copy_(rows)
+                self._answer(r.slot.publish, r.header.seq, rows.shape[0])
+
     def _run(self, batch: list[_Ready]) -> None:
         by_layer: dict[int, list[_Ready]] = collections.defaultdict(list)
         for r in batch:
@@ -203,14 +218,12 @@ class ExpertServer:
                 logger.exception("computing layer %d failed", layer_id)
                 self.stats["rejected_server_error"] += len(requests)
                 for r in requests:
-                    self._answer(r.slot.reject, RejectReason.SERVER_ERROR)
+                    self._reply(r, None)
                 continue
             start = 0
             for r in requests:
-                n = r.header.num_tokens
-                r.slot.result_buffer(n).copy_(out[start : start + n])
-                start += n
-                self._answer(r.slot.publish, r.header.seq, n)
+                self._reply(r, out[start : start + r.header.num_tokens])
+                start += r.header.num_tokens
         self.stats["batches"] += 1
         self.stats["requests"] += len(batch)
         self.stats["tokens"] += sum(r.header.num_tokens for r in batch)
