@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -181,3 +182,18 @@ def test_launch_refuses_a_separately_started_server_with_other_weights(tiny_qwen
         log.close()
     assert result.returncode != 0
     assert f"expert server {other.address} holds other weights for experts" in result.stderr
+
+
+def test_a_connection_that_never_authenticates_is_closed_after_the_timeout(server):
+    """A peer that connects and says nothing holds a thread only for AUTH_TIMEOUT."""
+    from sglang_eaas.protocol.control import AUTH_TIMEOUT
+
+    before, closed_before = _refused(server.address)
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=AUTH_TIMEOUT + 10) as sock:
+        started = time.monotonic()
+        assert sock.recv(1024) == b""  # closed by the server, without a reply
+        assert AUTH_TIMEOUT - 1 < time.monotonic() - started < AUTH_TIMEOUT + 10
+    after, closed_after = _refused(server.address)
+    assert after.get("auth_timeout", 0) == before.get("auth_timeout", 0) + 1
+    assert closed_after == closed_before + 1
