@@ -33,7 +33,7 @@ import torch
 from sglang_eaas import envs
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
-from sglang_eaas.client.local_servers import start_local_servers
+from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.expert_server.experts import load_experts
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import even_placement

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from ibgda import TransportError
 from sglang_eaas.checkpoint import ModelIdentity, expert_digests
 from sglang_eaas.client.connection import ServerConnection
-from sglang_eaas.client.local_servers import start_local_servers
+from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol.control import MAX_AUTH_LINE, MAX_LINE, ControlChannel, auth_line, probe
 from sglang_eaas.tools.make_tiny_model import PRESETS

@@ -15,7 +15,7 @@ from conftest import open_log
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client import graph_check
 from sglang_eaas.client.client import EaasClient
-from sglang_eaas.client.local_servers import start_local_servers
+from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import ExpertRouting
 from sglang_eaas.protocol.header import (

@@ -14,7 +14,7 @@ import pytest
 from conftest import MAX_NEW_TOKENS, PROMPTS, greedy_tokens, open_log, start_server
 from hf_reference import hf_greedy
 
-from sglang_eaas.client.local_servers import start_local_servers
+from sglang_eaas.launcher.local_servers import start_local_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang through the CPU runtime
 PARAMS = re.compile(r"model parameters (\d+) bytes, routed-expert parameters (\d+) bytes")

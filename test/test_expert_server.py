@@ -19,8 +19,8 @@ from ibgda_backends import BACKENDS, backend_transport
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.client.connection import ServerConnection
-from sglang_eaas.client.launch import probe
-from sglang_eaas.client.local_servers import start_local_servers
+from sglang_eaas.launcher.prepare import probe
+from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RequestHeader, SlotState
 from sglang_eaas.protocol.control import ControlChannel

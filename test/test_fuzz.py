@@ -12,7 +12,7 @@ import pytest
 from conftest import CACHE, open_log
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.connection import ServerConnection
-from sglang_eaas.client.local_servers import start_local_servers
+from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.protocol.control import AUTH_PREFIX, probe
 from sglang_eaas.protocol.header import MAGIC, RejectReason
 from sglang_eaas.tools.fuzz.checks import final_checks

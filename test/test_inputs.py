@@ -93,7 +93,7 @@ def test_every_sglang_dtype_spelling_is_understood():
     ("half", torch.float16), ("float", torch.float32), ("bfloat16", torch.bfloat16),
 ])
 def test_local_servers_get_the_dtype_sglang_computes_in(tiny_qwen3, spelling, expected):
-    from sglang_eaas.client.launch import sglang_dtype
+    from sglang_eaas.launcher.prepare import sglang_dtype
     from sglang_eaas.protocol.slot import DTYPES_BY_NAME
 
     assert DTYPES_BY_NAME[sglang_dtype(str(tiny_qwen3), spelling)] == expected

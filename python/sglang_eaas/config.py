@@ -3,7 +3,7 @@
 The record rides on SGLang's ``ServerArgs`` as the bookkeeping attribute ``_eaas`` (a plugin
 cannot add struct fields), which SGLang pickles into every scheduler/detokenizer process. Before
 the workers start, the launcher replaces it with the concrete server addresses
-(``client.launch``). Unpickling it in a worker loads the plugins there and checks that
+(``launcher.prepare``). Unpickling it in a worker loads the plugins there and checks that
 sglang-eaas is really active, so a worker in which the plugin failed exits with a clear error
 instead of silently serving without it.
 """

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 from sglang_eaas import config, request_checks
-from sglang_eaas.client import graph_check, launch, sglang_moe
+from sglang_eaas.client import graph_check, sglang_moe
 from sglang_eaas.cpu_runtime import moe_native_ep, server_defaults
+from sglang_eaas.launcher import prepare
 
 
 class Hook(NamedTuple):
@@ -53,7 +54,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "sglang.srt.entrypoints.engine.Engine._launch_subprocesses",
         "AROUND",
-        launch.launch_subprocesses,
+        prepare.launch_subprocesses,
         "start local expert servers / check remote ones and the placement before workers start",
     ),
     Hook(

@@ -15,7 +15,7 @@ from multiprocessing.synchronize import Event
 from typing import Any, Callable
 
 import torch
-from sglang_eaas.client.local_servers import die_with_parent
+from sglang_eaas.launcher.local_servers import die_with_parent
 
 
 @dataclass(frozen=True)

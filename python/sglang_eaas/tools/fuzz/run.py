@@ -20,7 +20,7 @@ from typing import Callable
 from ibgda import TransportError
 from sglang_eaas import envs
 from sglang_eaas.checkpoint import ModelIdentity
-from sglang_eaas.client.local_servers import LocalServer, die_with_parent, start_local_servers
+from sglang_eaas.launcher.local_servers import LocalServer, die_with_parent, start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol.control import probe
 from sglang_eaas.tools.fuzz.checks import Check, final_checks

@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 from ibgda import TransportError
 from sglang_eaas import envs, transports
-from sglang_eaas.client.local_servers import start_local_servers
 from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.config import EaasConfig, LocalServers, RemoteServers
+from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import control
 from sglang_eaas.protocol.slot import DTYPE_NAMES
