@@ -17,7 +17,7 @@ from sglang_eaas.client import graph_check
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.placement import ExpertRouting
+from sglang_eaas.routing_table import DeviceRoutingTable, RoutingTable
 from sglang_eaas.protocol.header import (
     DType, RejectReason, RequestHeader, ResultHeader, ResultStatus,
 )
@@ -120,14 +120,36 @@ def test_result_check_agrees_with_the_host_and_keeps_the_first_failure(kernels):
     assert status[2:].tolist() == [check.REJECTED, RejectReason.FOREIGN_EXPERT]
 
 
+def _table(addresses: list[str], placement: list[list[int]], epoch: int = 0) -> RoutingTable:
+    """The same experts in both MoE layers of the tiny model."""
+    return RoutingTable.uniform(epoch, dict(zip(addresses, placement)), [0, 1], 8)
+
+
+def _routing(servers, placement: list[list[int]]) -> DeviceRoutingTable:
+    """Device routing by ``placement`` over the fixture's servers (to plant a wrong one)."""
+    return DeviceRoutingTable(_table([s.address for s in servers], placement), "cpu")
+
+
 @pytest.mark.parametrize("placement", [[[0, 1, 2, 3], [4, 5, 6, 7]], PLACEMENT,
                                        [[0, 1, 2, 3, 4], [3, 4, 5, 6, 7], [0, 7, 2]]])
 def test_device_routing_is_the_host_routing(placement):
-    routing, rng = ExpertRouting(placement, 8), np.random.default_rng(len(placement[0]))
+    names = [f"s{i}:1" for i in range(len(placement))]
+    table, rng = _table(names, placement), np.random.default_rng(len(placement[0]))
+    device = DeviceRoutingTable(table, "cpu")
     for _ in range(30):
         ids = rng.integers(-1, 8, size=(int(rng.integers(1, 40)), 2))
-        assert np.array_equal(routing.assign_tensor(torch.from_numpy(ids)).numpy(),
-                              routing.assign(ids))
+        assert np.array_equal(device.assign(1, torch.from_numpy(ids)).numpy(),
+                              table.assign(1, ids))
+    # A new table is loaded in place: the same tensors (a captured graph keeps pointing at
+    # them) now route by it.
+    moved = _table(names, placement[1:] + placement[:1], epoch=1)  # experts change servers
+    pointers = (device.holders.data_ptr(), device.replicas.data_ptr())
+    device.load(moved)
+    assert (device.holders.data_ptr(), device.replicas.data_ptr()) == pointers
+    ids = rng.integers(-1, 8, size=(33, 2))
+    assert np.array_equal(device.assign(0, torch.from_numpy(ids)).numpy(), moved.assign(0, ids))
+    with pytest.raises(ValueError, match="keeps its servers"):
+        device.load(_table(names[:1], [list(range(8))], epoch=2))
 
 
 def test_device_exchange_equals_the_host_exchange(client_of, tiny_qwen3):
@@ -179,7 +201,7 @@ def test_device_path_failures_reach_the_host(client_of, servers, tiny_qwen3):
     x, ids, weights = _batch(info, 2, seed=2)
     wrong = client_of("wrong-routing")
     # A client that believes server 0 holds every expert sends it experts it does not hold.
-    wrong.device_step.routing = ExpertRouting([list(range(8)), [0]], 8)
+    wrong.device_step.routing = _routing(servers, [list(range(8)), [0]])
     with pytest.raises(TransportError, match="rejected a request: FOREIGN_EXPERT"):
         wrong.forward(0, x, torch.tensor([[5, 6], [7, 4]]), weights)
     patient = client_of("patient", timeout=0.5)
@@ -193,7 +215,7 @@ def test_device_path_failures_reach_the_host(client_of, servers, tiny_qwen3):
 
 
 # A client that believes server 0 holds expert 5: whatever it sends there with a 5 is rejected.
-WRONG_ROUTING = ExpertRouting([[0, 1, 2, 3, 5], [4, 6, 7, 0]], 8)
+WRONG_PLACEMENT = [[0, 1, 2, 3, 5], [4, 6, 7, 0]]
 SERVER_1_EXPERTS = [4, 6, 7]  # under both routings (expert 0, replicated, is left out)
 
 
@@ -217,11 +239,11 @@ def test_a_failed_exchange_adds_no_rows_until_the_host_has_checked(client_of, se
     whole = host.forward(0, x, good_ids, weights)
     assert healthy_part.abs().sum() > 0 and not torch.equal(healthy_part, whole)
 
-    step.routing = WRONG_ROUTING
+    step.routing = _routing(servers, WRONG_PLACEMENT)
     bad_ids = torch.tensor([[5, 6], [4, 5], [5, 7]])  # 5 goes to server 0, which rejects it
     failed = step.run(0, x, bad_ids, weights)
     assert torch.equal(failed, host.forward(0, x, _only(bad_ids, SERVER_1_EXPERTS), weights))
-    step.routing = ExpertRouting(PLACEMENT, 8)
+    step.routing = _routing(servers, PLACEMENT)
     still_failed = step.run(0, x, good_ids, weights)  # server 0 answers well, but it is sticky
     assert torch.equal(still_failed, healthy_part)
     with pytest.raises(TransportError) as raised:
@@ -263,7 +285,7 @@ class _GraphRunner:
     """A decode graph runner whose replay is the captured exchange: ``DeviceStep.run`` with no
     host check, with the routing the graph is replayed under (a wrong one makes it fail)."""
 
-    def __init__(self, model_runner: _ModelRunner, replay_routing: ExpertRouting):
+    def __init__(self, model_runner: _ModelRunner, replay_routing: DeviceRoutingTable):
         self.model_runner, self.replay_routing = model_runner, replay_routing
         self.replays: list[torch.Tensor] = []  # what each replay left in the graph's output
 
@@ -288,7 +310,7 @@ def test_the_graph_check_redoes_a_failed_replay_once_eagerly(client_of, servers,
     expected = host.forward(0, x, batch.ids, weights)
     right = client.device_step.routing
 
-    def replay(replay_routing: ExpertRouting):
+    def replay(replay_routing: DeviceRoutingTable):
         runner = _GraphRunner(_ModelRunner(client), replay_routing)
         return runner, graph_check.check_after_replay(_GraphRunner.execute, runner, batch)
 
@@ -296,15 +318,16 @@ def test_the_graph_check_redoes_a_failed_replay_once_eagerly(client_of, servers,
     assert (len(runner.replays), runner.model_runner.eager_runs) == (1, 0)
     assert out is runner.replays[0] and torch.equal(out, expected)
 
-    runner, out = replay(WRONG_ROUTING)  # failed replay, good eager run: redone
+    wrong_routing = _routing(servers, WRONG_PLACEMENT)
+    runner, out = replay(wrong_routing)  # failed replay, good eager run: redone
     assert (len(runner.replays), runner.model_runner.eager_runs, runner.model_runner.prepared) == (
         1, 1, 1)
     assert not torch.equal(runner.replays[0], expected)  # server 0's rows are missing there
     assert torch.equal(out, expected)
 
-    client.device_step.routing = WRONG_ROUTING  # the eager run fails too: the request fails
+    client.device_step.routing = wrong_routing  # the eager run fails too: the request fails
     try:
-        runner = _GraphRunner(_ModelRunner(client), WRONG_ROUTING)
+        runner = _GraphRunner(_ModelRunner(client), wrong_routing)
         with pytest.raises(TransportError,
                            match=f"{servers[0].address} rejected a request: FOREIGN_EXPERT"):
             graph_check.check_after_replay(_GraphRunner.execute, runner, batch)
@@ -315,7 +338,25 @@ def test_the_graph_check_redoes_a_failed_replay_once_eagerly(client_of, servers,
     # Another rank shares the forward: it would not join a re-run, so nothing is redone.
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    runner = _GraphRunner(_ModelRunner(client), WRONG_ROUTING)
+    runner = _GraphRunner(_ModelRunner(client), wrong_routing)
     with pytest.raises(TransportError, match="not redone: 2 ranks share this forward"):
         graph_check.check_after_replay(_GraphRunner.execute, runner, batch)
     assert runner.model_runner.eager_runs == 0
+
+
+def test_a_staged_table_reaches_the_device_tensors_in_place(client_of, servers, tiny_qwen3):
+    """The device path reads the client's table too: adopted at a step's first MoE layer, it is
+    copied into the same device tensors (a captured graph would keep pointing at them)."""
+    info = MoeModelInfo.from_model_path(tiny_qwen3)
+    client, host = client_of("staged"), client_of("staged-reference")
+    host.device_step = None
+    routing = client.device_step.routing
+    pointers = (routing.holders.data_ptr(), routing.replicas.data_ptr())
+    x, _, weights = _batch(info, 4, seed=3)
+    ids = torch.tensor([[0, 5], [0, 1], [6, 0], [0, 2]])
+    client.stage(_table([s.address for s in servers], [[0, 1, 2, 3], [4, 5, 6, 7]], epoch=1))
+    out = client.forward(0, x, ids, weights)
+    assert client.table.epoch == routing.epoch == 1
+    assert (routing.holders.data_ptr(), routing.replicas.data_ptr()) == pointers
+    host.stage(_table([s.address for s in servers], [[0, 1, 2, 3], [4, 5, 6, 7]], epoch=1))
+    assert torch.equal(out, host.forward(0, x, ids, weights))  # same table, same bits

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from sglang_eaas.addresses import AddressError, parse_address
 
@@ -135,7 +134,6 @@ class ExpertRouting:
         self.replicas = np.array([len(h) for h in holders])
         self.table = np.array([h + h[:1] * (width - len(h)) for h in holders])
         self.has_replicas = width > 1
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # on assign_tensor's device
 
     def assign(self, expert_ids: np.ndarray) -> np.ndarray:
         """``[T, K]`` expert ids -> ``[T, K]`` server index per entry (-1 for id -1).
@@ -156,21 +154,3 @@ class ExpertRouting:
             rank[order] = np.arange(ids.size) - np.searchsorted(sorted_ids, sorted_ids)
             server[valid] = self.table[ids, rank % self.replicas[ids]]
         return server.reshape(expert_ids.shape)
-
-    def assign_tensor(self, expert_ids: torch.Tensor) -> torch.Tensor:
-        """``assign`` in torch ops on ``expert_ids``' device, reading nothing back to the host
-        (for the device path): the same servers, replicas dealt the same way."""
-        device = expert_ids.device
-        if self._tables is None or self._tables[0].device != device:
-            self._tables = (torch.from_numpy(self.table).to(device),
-                            torch.from_numpy(self.replicas).to(device))
-        table, replicas = self._tables
-        flat = expert_ids.reshape(-1).long()
-        valid = flat >= 0
-        ids = flat.clamp(min=0)
-        rank = torch.zeros_like(ids)
-        if self.has_replicas:  # position among the earlier entries of the same expert
-            seen = torch.nn.functional.one_hot(ids, len(self.replicas)) * valid.unsqueeze(1)
-            rank = seen.cumsum(0).gather(1, ids.unsqueeze(1)).squeeze(1) - 1
-        server = table[ids, rank % replicas[ids]]
-        return torch.where(valid, server, -1).reshape(expert_ids.shape)

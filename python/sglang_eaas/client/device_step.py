@@ -4,7 +4,7 @@ On the ``device`` transport every remote access is a kernel, so the whole exchan
 layer can be enqueued without the host reading anything back, which is what lets a decode step
 be captured in one CUDA graph (the paper's §4.3):
 
-  routing      ``ExpertRouting.assign_tensor`` (torch ops) picks a server per (token, k);
+  routing      ``DeviceRoutingTable.assign`` (torch ops) picks a server per (token, k);
   dispatch     per server, ``stamp_request`` bumps the slot's device sequence counter into a
                header template, then one ``put_signal`` writes hidden states, expert ids (-1
                where another server computes), router weights and header, and release-stores
@@ -41,10 +41,10 @@ import torch
 
 from ibgda import TransportError
 from sglang_eaas.client.connection import ServerConnection
-from sglang_eaas.placement import ExpertRouting
 from sglang_eaas.protocol.flags import SlotState
 from sglang_eaas.protocol.header import HEADER_BYTES, RejectReason
 from sglang_eaas.protocol.slot import TORCH_DTYPES, request_header, request_writes
+from sglang_eaas.routing_table import DeviceRoutingTable, RoutingTable
 
 
 def _kernels():
@@ -125,12 +125,16 @@ class DeviceChannel:
 class DeviceStep:
     """Every server's ``DeviceChannel``, with routing on the device."""
 
-    def __init__(self, connections: list[ServerConnection], routing: ExpertRouting,
+    def __init__(self, connections: list[ServerConnection], table: RoutingTable,
                  timeout: float):
+        """One channel per server of ``table``, in its order; the table's holders go into
+        device tensors that ``load_table`` updates in place (a captured graph stays valid)."""
         # GPU memory where the device backend runs natively, host memory for its CPU twin.
-        table = _kernels().crc32_table("cuda" if torch.cuda.is_available() else "cpu")
-        self.channels = [DeviceChannel(c, table, timeout) for c in connections]
-        self.routing = routing
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        crc = _kernels().crc32_table(device)
+        by_id = {c.address: c for c in connections}
+        self.channels = [DeviceChannel(by_id[server], crc, timeout) for server in table.servers]
+        self.routing = DeviceRoutingTable(table, device)
         self.max_tokens = min(ch.layout.max_tokens for ch in self.channels)
         _STEPS.add(self)
 
@@ -141,7 +145,7 @@ class DeviceStep:
         Returns ``[T, H]``: every server's partial sums added in server order, as the host path
         (``EaasClient.forward``) adds them.
         """
-        server = self.routing.assign_tensor(topk_ids)
+        server = self.routing.assign(layer_id, topk_ids)
         weights = topk_weights.float()
         out = torch.zeros_like(hidden)
         for start in range(0, hidden.shape[0], self.max_tokens):
@@ -152,6 +156,10 @@ class DeviceStep:
             for channel in self.channels:
                 channel.combine(out[chunk])
         return out
+
+    def load_table(self, table: RoutingTable) -> None:
+        """Route by ``table`` from now on (same servers; between steps)."""
+        self.routing.load(table)
 
     def check(self) -> None:
         """Raise ``TransportError`` naming every server whose exchange failed since the last

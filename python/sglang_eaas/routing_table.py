@@ -1,0 +1,129 @@
+"""The versioned routing table: per MoE layer, which expert servers hold which experts.
+
+Servers are named by a stable id (their control address), never by a list position, so a table
+can lose or gain a server and the ids of the others keep their meaning. A table is immutable:
+every change is a new table with the next epoch, and a client swaps the whole table between
+steps (``EaasClient.stage``), so no layer ever sees half of two tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from sglang_eaas.placement import ExpertRouting, PlacementError
+
+Holdings = Mapping[str, Mapping[int, list[int]]]  # server id -> MoE layer -> experts held there
+
+
+@dataclass(frozen=True)
+class RoutingTable:
+    epoch: int
+    servers: tuple[str, ...]  # stable server ids; ``ExpertRouting`` indices point into this
+    layers: Mapping[int, ExpertRouting]  # MoE layer id -> who holds which expert there
+    num_experts: int
+
+    @classmethod
+    def build(cls, epoch: int, holdings: Holdings, moe_layers: list[int],
+              num_experts: int) -> "RoutingTable":
+        """The table of ``holdings``; ``PlacementError`` if an expert of some layer has no
+        holder or a layer is missing."""
+        servers = tuple(holdings)
+        layers = {}
+        for layer in moe_layers:
+            missing = [s for s in servers if layer not in holdings[s]]
+            if missing:
+                raise PlacementError(f"servers {missing} say nothing about MoE layer {layer}")
+            try:
+                layers[layer] = ExpertRouting([list(holdings[s][layer]) for s in servers],
+                                              num_experts)
+            except PlacementError as exc:
+                raise PlacementError(f"MoE layer {layer}: {exc}") from None
+        return cls(epoch, servers, layers, num_experts)
+
+    @classmethod
+    def uniform(cls, epoch: int, experts: Mapping[str, list[int]], moe_layers: list[int],
+                num_experts: int) -> "RoutingTable":
+        """Every server holds the same experts in every layer."""
+        return cls.build(epoch, {s: {layer: list(e) for layer in moe_layers}
+                                 for s, e in experts.items()}, moe_layers, num_experts)
+
+    def holdings(self) -> dict[str, dict[int, list[int]]]:
+        """The table's placement, as ``build`` takes it."""
+        out: dict[str, dict[int, list[int]]] = {s: {} for s in self.servers}
+        for layer, routing in self.layers.items():
+            for index, server in enumerate(self.servers):
+                out[server][layer] = [e for e in range(self.num_experts)
+                                      if index in routing.table[e, : routing.replicas[e]]]
+        return out
+
+    def without(self, server: str) -> "RoutingTable":
+        """The next epoch without ``server``; ``PlacementError`` naming the layer and experts
+        that would lose their last holder."""
+        holdings = self.holdings()
+        holdings.pop(server)
+        return RoutingTable.build(self.epoch + 1, holdings, list(self.layers), self.num_experts)
+
+    def with_server(self, server: str, layers: Mapping[int, list[int]]) -> "RoutingTable":
+        """The next epoch with ``server`` holding ``layers`` (replacing what it held)."""
+        holdings = self.holdings()
+        holdings[server] = {layer: list(experts) for layer, experts in layers.items()}
+        return RoutingTable.build(self.epoch + 1, holdings, list(self.layers), self.num_experts)
+
+    def assign(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
+        """``[T, K]`` expert ids of ``layer`` -> ``[T, K]`` indices into ``servers`` (-1 for -1)."""
+        return self.layers[layer].assign(expert_ids)
+
+
+class DeviceRoutingTable:
+    """A table's per-layer holders as device tensors, updated in place by ``load``.
+
+    A captured CUDA graph keeps pointers to these tensors, so it stays valid when the table
+    changes; what cannot change in place is the set of servers (each has a channel with its own
+    buffers), nor the layers. Assignment is ``ExpertRouting.assign``'s, in torch ops that read
+    nothing back to the host: per (token, k) the expert's ``rank``-th replica in token order.
+    """
+
+    def __init__(self, table: RoutingTable, device: torch.device | str):
+        self.servers, self.num_experts = table.servers, table.num_experts
+        self.rows = {layer: row for row, layer in enumerate(table.layers)}
+        width = len(table.servers)  # room for an expert on every server
+        self.holders = torch.zeros(len(self.rows), table.num_experts, width, dtype=torch.int64,
+                                   device=device)
+        self.replicas = torch.ones(len(self.rows), table.num_experts, dtype=torch.int64,
+                                   device=device)
+        self.epoch = -1
+        self.load(table)
+
+    def load(self, table: RoutingTable) -> None:
+        """Copy ``table`` into the tensors (between steps)."""
+        if table.servers != self.servers or set(table.layers) != set(self.rows):
+            raise ValueError(f"a device routing table keeps its servers {list(self.servers)} "
+                             f"and layers; table {table.epoch} has servers {list(table.servers)}")
+        holders, replicas = self.holders.new_zeros(self.holders.shape), self.replicas.clone()
+        for layer, row in self.rows.items():
+            routing = table.layers[layer]
+            width = routing.table.shape[1]
+            holders[row, :, :width] = torch.from_numpy(routing.table)
+            holders[row, :, width:] = holders[row, :, :1]
+            replicas[row] = torch.from_numpy(routing.replicas)
+        self.holders.copy_(holders)
+        self.replicas.copy_(replicas)
+        self.epoch = table.epoch
+
+    def assign(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, K]`` expert ids of ``layer`` -> ``[T, K]`` server indices (-1 for id -1)."""
+        row = self.rows[layer]
+        holders, replicas = self.holders[row], self.replicas[row]
+        flat = expert_ids.reshape(-1).long()
+        valid = flat >= 0
+        ids = flat.clamp(min=0)
+        # position among the earlier entries of the same expert (always computed: whether a
+        # table has replicas is device data, and a graph must not depend on it)
+        seen = torch.nn.functional.one_hot(ids, self.num_experts) * valid.unsqueeze(1)
+        rank = seen.cumsum(0).gather(1, ids.unsqueeze(1)).squeeze(1) - 1
+        server = holders[ids, rank % replicas[ids]]
+        return torch.where(valid, server, -1).reshape(expert_ids.shape)
