@@ -126,6 +126,18 @@ def test_uneven_placement_with_replicas(tiny_qwen3, expected, tmp_path):
     _check(expected, tokens, log)
 
 
+def test_placement_per_layer(tiny_qwen3, expected, tmp_path):
+    """Servers holding other experts in each MoE layer (a placement file's per-layer form)."""
+    placement = tmp_path / "per-layer.yaml"
+    placement.write_text("servers:\n"
+                         "  local:0: {0: [0, 1, 2, 3], 1: [4, 5, 6, 7, 0]}\n"
+                         "  local:1: {0: [4, 5, 6, 7, 0], 1: [0, 1, 2, 3]}\n")
+    tokens, log = _run_eaas(tiny_qwen3, "--eaas-placement", str(placement),
+                            name="eaas-per-layer")
+    _check(expected, tokens, log)
+    assert "experts per MoE layer {0: [0, 1, 2, 3], 1: [0, 4, 5, 6, 7]}" in log
+
+
 def test_sglang_dtype_spellings_reach_the_expert_servers(tiny_qwen3):
     """``--dtype half`` (SGLang's alias): local expert servers hold float16 weights, as
     monolithic SGLang does, and the tokens are the same."""

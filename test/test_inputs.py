@@ -4,6 +4,7 @@ expert-server addresses, dtype spellings."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -112,3 +113,41 @@ def test_expert_server_takes_sglang_dtype_spellings(tiny_qwen3):
                              str(tiny_qwen3), "--experts", "0", "--token", "t", "--dtype",
                              "fp8"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "invalid choice: 'fp8'" in result.stderr
+
+
+def test_placement_files_may_place_experts_per_layer(tmp_path):
+    from sglang_eaas.placement import layer_holdings
+
+    (tmp_path / "p.yaml").write_text(
+        "servers:\n  local:0: {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}\n"
+        "  local:1: {'0': [7, 6, 5, 4], 1: [0, 1, 2, 3]}\n  local:2: [0]\n")
+    placed = load_placement_file(tmp_path / "p.yaml")
+    assert placed == {"local:0": {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]},
+                      "local:1": {0: [4, 5, 6, 7], 1: [0, 1, 2, 3]}, "local:2": [0]}
+    assert layer_holdings(placed["local:2"], (0, 1)) == {0: [0], 1: [0]}
+    assert layer_holdings({1: [3]}, (0, 1)) == {0: [], 1: [3]}  # a layer not named: none
+    for text, message in [("servers:\n  local:0: {x: [0]}\n", "'x' is not a layer number"),
+                          ("servers:\n  local:0: {0: [1, 1]}\n",
+                           "server 'local:0', layer 0 lists experts [1] more than once"),
+                          ("servers:\n  local:0: {}\n", "maps to an empty map of layers")]:
+        (tmp_path / "bad.yaml").write_text(text)
+        with pytest.raises(PlacementError, match=re.escape(message)):
+            load_placement_file(tmp_path / "bad.yaml")
+
+
+def test_expert_server_takes_experts_per_layer(tiny_qwen3):
+    from sglang_eaas.expert_server.__main__ import parse_args
+
+    base = ["--model-path", str(tiny_qwen3), "--token", "t"]
+    _, config = parse_args([*base, "--experts", "0-3", "--layer-experts", "1=4-7"])
+    assert config.holdings((0, 1)) == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+    _, config = parse_args([*base, "--layer-experts", "0=none", "--layer-experts", "1=2"])
+    assert config.holdings((0, 1)) == {0: [], 1: [2]}
+    for args, message in [(["--layer-experts", "7=1"], "layer 7 is not an MoE layer"),
+                          (["--layer-experts", "1"], "is not LAYER=SPEC"),
+                          (["--layer-experts", "0=1", "--layer-experts", "0=2"],
+                           "names layer 0 twice"),
+                          ([], "holds at least one expert")]:
+        result = subprocess.run([sys.executable, "-m", "sglang_eaas.expert_server", *base,
+                                 *args], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -135,3 +135,36 @@ def test_no_step_sees_two_tables(client, servers):
         thread.join()
     assert all(first == second for first, second in seen)
     assert len({first for first, _ in seen}) > 1  # tables really changed meanwhile
+
+
+def test_servers_holding_other_experts_in_each_layer(tiny_qwen3, client):
+    """Two servers that swap halves between the layers (--layer-experts): the client's table
+    follows each layer's holders, and the sums equal the uniform placement's."""
+    from sglang_eaas.launcher.local_servers import start_local_servers
+
+    info = MoeModelInfo.from_model_path(tiny_qwen3)
+    log = open_log("routing-table-per-layer-servers")
+    swapped = start_local_servers(tiny_qwen3, [{0: [0, 1, 2, 3], 1: [4, 5, 6, 7]},
+                                               {0: [4, 5, 6, 7], 1: [0, 1, 2, 3]}],
+                                  "float32", max_clients=1, stdout=log)
+    try:
+        per_layer = EaasClient([s.address for s in swapped], info,
+                               ModelIdentity.of(tiny_qwen3, info), torch.float32, "per-layer")
+        try:
+            a, b = (s.address for s in swapped)
+            assert per_layer.table.holdings() == {a: {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]},
+                                                  b: {0: [4, 5, 6, 7], 1: [0, 1, 2, 3]}}
+            x, w = torch.randn(7, 64), torch.rand(7, 2)
+            ids = torch.randint(0, 8, (7, 2))
+            for layer in LAYERS:
+                torch.testing.assert_close(per_layer.forward(layer, x, ids, w),
+                                           client.forward(layer, x, ids, w),
+                                           rtol=1e-6, atol=1e-6)
+            assert per_layer._by_id[a].stats()["layer_experts"] == {"0": [0, 1, 2, 3],
+                                                                    "1": [4, 5, 6, 7]}
+        finally:
+            per_layer.close()
+    finally:
+        for s in swapped:
+            s.stop()
+        log.close()

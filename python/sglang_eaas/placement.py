@@ -10,6 +10,10 @@ import numpy as np
 from sglang_eaas.addresses import AddressError, parse_address
 
 
+# What a placement says one server holds: the same experts in every MoE layer, or per layer.
+PlacedExperts = list[int] | dict[int, list[int]]
+
+
 class PlacementError(ValueError):
     """A placement that cannot serve the model (an expert without a server, a bad list...)."""
 
@@ -47,8 +51,10 @@ def even_placement(num_experts: int, num_servers: int) -> list[list[int]]:
     return blocks
 
 
-def load_placement_file(path: str | Path) -> dict[str, list[int]]:
-    """``{"servers": {"local:N" | "host:port": [expert ids]}}`` from a JSON or YAML file.
+def load_placement_file(path: str | Path) -> dict[str, PlacedExperts]:
+    """``{"servers": {"local:N" | "host:port": [expert ids] | {layer: [expert ids]}}}`` from a
+    JSON or YAML file: a list is held in every MoE layer, a map of layers per layer (a layer
+    it does not name holds none of that server's experts).
 
     Raises ``PlacementError`` naming the file (and the entry) for anything else: unreadable or
     non-UTF-8 bytes, a syntax error, ids that are not whole numbers >= 0 (``true`` is not 1),
@@ -78,24 +84,46 @@ def load_placement_file(path: str | Path) -> dict[str, list[int]]:
     servers = data.get("servers") if isinstance(data, dict) else None
     if not isinstance(servers, dict) or not servers:
         raise PlacementError(f"{path}: expected a 'servers' map of server -> expert ids")
-    out = {}
+    out: dict[str, PlacedExperts] = {}
     for name, experts in servers.items():
         entry = f"{path}: server {name!r}"
         _check_server_name(entry, name)
-        if not isinstance(experts, list) or not experts:
-            raise PlacementError(f"{entry} must map to a non-empty list of expert ids")
-        bad = [e for e in experts if type(e) is not int or e < 0]
-        if bad:
-            raise PlacementError(f"{entry} lists {bad[0]!r}, which is not an expert id (a "
-                                 "whole number >= 0)")
-        twice = sorted({e for e in experts if experts.count(e) > 1})
-        if twice:
-            raise PlacementError(f"{entry} lists experts {twice} more than once")
-        out[name] = sorted(experts)
+        if isinstance(experts, dict):  # per MoE layer
+            if not experts:
+                raise PlacementError(f"{entry} maps to an empty map of layers")
+            layers = {}
+            for layer, ids in experts.items():
+                if not (type(layer) is int or (isinstance(layer, str) and layer.isdigit())):
+                    raise PlacementError(f"{entry}: {layer!r} is not a layer number")
+                layers[int(layer)] = _expert_ids(f"{entry}, layer {layer}", ids, empty_ok=True)
+            out[name] = layers
+        else:
+            out[name] = _expert_ids(entry, experts, empty_ok=False)
     if 0 < sum(name.startswith("local:") for name in out) < len(out):
         raise PlacementError(f"{path}: mixes local:N servers with separately started ones; "
                              "use one kind per file")
     return out
+
+
+def _expert_ids(entry: str, experts: object, empty_ok: bool) -> list[int]:
+    if not isinstance(experts, list) or not (experts or empty_ok):
+        raise PlacementError(f"{entry} must map to a non-empty list of expert ids")
+    bad = [e for e in experts if type(e) is not int or e < 0]
+    if bad:
+        raise PlacementError(f"{entry} lists {bad[0]!r}, which is not an expert id (a "
+                             "whole number >= 0)")
+    twice = sorted({e for e in experts if experts.count(e) > 1})
+    if twice:
+        raise PlacementError(f"{entry} lists experts {twice} more than once")
+    return sorted(experts)
+
+
+def layer_holdings(placed: PlacedExperts, moe_layers: tuple[int, ...] | list[int]
+                   ) -> dict[int, list[int]]:
+    """A placement entry as experts per MoE layer (a list: the same in every layer)."""
+    if isinstance(placed, dict):
+        return {layer: sorted(placed.get(layer, [])) for layer in moe_layers}
+    return {layer: sorted(placed) for layer in moe_layers}
 
 
 def _check_server_name(entry: str, name: object) -> None:

@@ -11,7 +11,7 @@ from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.client.device_step import DeviceStep, drives_devices
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.placement import PlacementError
+from sglang_eaas.placement import PlacedExperts, PlacementError, layer_holdings
 from sglang_eaas.protocol.slot import DTYPE_NAMES, POLL_SPIN_US
 from sglang_eaas.routing_table import RoutingTable
 
@@ -21,7 +21,7 @@ class EaasClient:
 
     def __init__(self, addresses: list[str], info: MoeModelInfo, model: ModelIdentity,
                  dtype: torch.dtype, name: str,
-                 expected_experts: dict[str, list[int]] | None = None,
+                 expected_experts: dict[str, PlacedExperts] | None = None,
                  result_timeout: float = 120.0, transport: str = transports.AUTO,
                  poll_spin: float = POLL_SPIN_US * 1e-6):
         self.info, self.result_timeout, self.poll_spin = info, result_timeout, poll_spin
@@ -32,13 +32,16 @@ class EaasClient:
                     ServerConnection(address, name, model, DTYPE_NAMES[dtype],
                                      transport=transport))
             for conn in self.connections:
-                if expected_experts is not None and conn.experts != expected_experts[conn.address]:
+                planned = (None if expected_experts is None else
+                           layer_holdings(expected_experts[conn.address], info.moe_layers))
+                if planned is not None and conn.layer_experts != planned:
                     raise PlacementError(
-                        f"expert server {conn.address} holds experts {conn.experts}, the "
-                        f"placement file says {expected_experts[conn.address]}")
+                        f"expert server {conn.address} holds experts {conn.layer_experts} (per "
+                        f"MoE layer), the placement file says {planned}")
             self._by_id = {c.address: c for c in self.connections}
-            self.table = RoutingTable.uniform(0, {c.address: c.experts for c in self.connections},
-                                              list(info.moe_layers), info.num_experts)
+            self.table = RoutingTable.build(0, {c.address: c.layer_experts
+                                                for c in self.connections},
+                                            list(info.moe_layers), info.num_experts)
         except BaseException:
             self.close()
             raise

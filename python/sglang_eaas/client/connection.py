@@ -29,7 +29,8 @@ class ServerConnection:
                 dtype=dtype_name(dtype), transport=transport,
                 expert_digests=list(model.expert_digests)))
             self.layout = reply.layout
-            self.experts: list[int] = reply.experts
+            self.experts: list[int] = reply.experts  # held in at least one layer
+            self.layer_experts: dict[int, list[int]] = reply.layer_experts
             self.moe_layers: list[int] = reply.moe_layers
             handle = RegionHandle.from_dict(reply.region)
             self.region = create_transport(handle.backend).connect(handle)

@@ -25,8 +25,12 @@ def parse_args(argv: list[str] | None = None):
     )
     p.add_argument("--model-path", required=True, help="HF checkpoint folder (config.json + "
                    "safetensors); only this server's experts are read from it")
-    p.add_argument("--experts", required=True, metavar="SPEC",
-                   help="global expert ids to hold in every MoE layer: '0-3,6' or 'all'")
+    p.add_argument("--experts", metavar="SPEC",
+                   help="global expert ids to hold in every MoE layer: '0-3,6' or 'all' (layers "
+                   "named by --layer-experts excepted)")
+    p.add_argument("--layer-experts", action="append", default=[], metavar="LAYER=SPEC",
+                   help="the experts to hold in one MoE layer instead ('1=4-7'; 'none' holds "
+                   "none there); repeat for more layers")
     p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="control endpoint where clients join (port 0: pick a free one and print "
                    "it); default %(default)s")
@@ -78,9 +82,15 @@ def parse_args(argv: list[str] | None = None):
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
     try:
         info = MoeModelInfo.from_model_path(args.model_path)
-        experts = parse_expert_list(args.experts, info.num_experts)
-        if max(experts) >= info.num_experts:
-            raise PlacementError(f"expert {max(experts)} does not exist: the model has "
+        experts = [] if args.experts is None else parse_expert_list(args.experts,
+                                                                    info.num_experts)
+        layer_experts = _layer_experts(args.layer_experts, info)
+        held = {e for ids in [experts, *layer_experts.values()] for e in ids}
+        if not held:
+            raise PlacementError("an expert server holds at least one expert: give --experts "
+                                 "or --layer-experts")
+        if max(held) >= info.num_experts:
+            raise PlacementError(f"expert {max(held)} does not exist: the model has "
                                  f"{info.num_experts}")
     except (ModelError, PlacementError) as exc:
         p.error(str(exc))
@@ -89,7 +99,26 @@ def parse_args(argv: list[str] | None = None):
         dtype=args.dtype, transport=args.transport, max_clients=args.max_clients,
         max_tokens=args.max_tokens, min_batch_tokens=args.min_batch_tokens,
         max_wait_us=args.max_wait_us, poll_spin_us=args.poll_spin_us, threads=args.threads,
+        layer_experts=layer_experts,
     )
+
+
+def _layer_experts(specs: list[str], info: MoeModelInfo) -> dict[int, tuple[int, ...]]:
+    """``--layer-experts LAYER=SPEC`` values -> ``{layer: experts}``."""
+    out: dict[int, tuple[int, ...]] = {}
+    for spec in specs:
+        layer, sep, ids = spec.partition("=")
+        if not sep or not layer.strip().isdigit():
+            raise PlacementError(f"--layer-experts {spec!r} is not LAYER=SPEC (e.g. 1=4-7)")
+        layer_id = int(layer)
+        if layer_id not in info.moe_layers:
+            raise PlacementError(f"--layer-experts {spec!r}: layer {layer_id} is not an MoE "
+                                 f"layer (those are {list(info.moe_layers)})")
+        if layer_id in out:
+            raise PlacementError(f"--layer-experts names layer {layer_id} twice")
+        out[layer_id] = (() if ids.strip() == "none" else
+                         tuple(parse_expert_list(ids, info.num_experts)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     server = ExpertServer(config)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
-    print(f"sglang-eaas expert server ready on {server.address}: experts "
-          f"{list(config.experts)} of {server.info.num_experts}, "
+    held = (f"experts {list(config.experts)}" if not config.layer_experts else
+            f"experts per MoE layer {server.holdings}")
+    print(f"sglang-eaas expert server ready on {server.address}: {held} of "
+          f"{server.info.num_experts}, "
           f"{len(server.info.moe_layers)} MoE layers, "
           f"{server.weight_bytes() / 2**20:.1f} MiB of weights", flush=True)
     try:

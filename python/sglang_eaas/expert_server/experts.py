@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -38,17 +39,26 @@ class LayerExperts:
         return F.linear(F.silu(gate_up[..., :d]) * gate_up[..., d:], self.w2[local_expert])
 
 
-def load_experts(model_path: str | Path, info: MoeModelInfo, experts: list[int],
+def load_experts(model_path: str | Path, info: MoeModelInfo,
+                 experts: list[int] | Mapping[int, list[int]],
                  dtype: torch.dtype) -> dict[int, LayerExperts]:
-    """``{layer_id: LayerExperts}`` for every MoE layer, holding ``experts`` (global ids)."""
+    """``{layer_id: LayerExperts}``: ``experts`` (global ids) in every MoE layer, or per layer
+    (``{layer: ids}``; a layer with no ids, or not named, is not held at all)."""
     model_path = Path(model_path)
-    bad = [e for e in experts if not 0 <= e < info.num_experts]
+    by_layer = ({layer: list(experts) for layer in info.moe_layers}
+                if not isinstance(experts, Mapping) else
+                {layer: list(ids) for layer, ids in experts.items() if ids})
+    unknown = sorted(set(by_layer) - set(info.moe_layers))
+    if unknown:
+        raise ModelError(f"layers {unknown} are not MoE layers of {model_path} "
+                         f"(those are {list(info.moe_layers)})")
+    bad = sorted({e for ids in by_layer.values() for e in ids if not 0 <= e < info.num_experts})
     if bad:
         raise ModelError(f"experts {bad} do not exist: the model has {info.num_experts}")
     files = tensor_files(model_path)
     wanted: dict[Path, list[str]] = {}
-    for layer in info.moe_layers:
-        for expert in experts:
+    for layer, ids in by_layer.items():
+        for expert in ids:
             for name in info.expert_tensor_names(layer, expert):
                 if name not in files:
                     raise ModelError(f"tensor {name} is missing from {model_path}")
@@ -58,12 +68,12 @@ def load_experts(model_path: str | Path, info: MoeModelInfo, experts: list[int],
         with safe_open(file, "pt") as f:
             for name in names:
                 tensors[name] = f.get_tensor(name).to(dtype)
-    local_index = torch.full((info.num_experts,), -1, dtype=torch.long)
-    local_index[torch.tensor(experts, dtype=torch.long)] = torch.arange(len(experts))
     layers = {}
-    for layer in info.moe_layers:
+    for layer, ids in by_layer.items():
+        local_index = torch.full((info.num_experts,), -1, dtype=torch.long)
+        local_index[torch.tensor(ids, dtype=torch.long)] = torch.arange(len(ids))
         gates, ups, downs = zip(*(
-            [tensors.pop(n) for n in info.expert_tensor_names(layer, e)] for e in experts))
+            [tensors.pop(n) for n in info.expert_tensor_names(layer, e)] for e in ids))
         layers[layer] = LayerExperts(
             w13=torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)]),
             w2=torch.stack(downs),

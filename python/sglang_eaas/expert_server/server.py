@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ExpertServerConfig:
     model_path: str
-    experts: tuple[int, ...]
+    experts: tuple[int, ...]  # held in every MoE layer, except where layer_experts says
     host: str = "127.0.0.1"
     port: int = 0
     token: str = ""  # shared secret clients must present on the control endpoint
@@ -44,6 +44,11 @@ class ExpertServerConfig:
     max_wait_us: int = 0
     poll_spin_us: int = POLL_SPIN_US  # busy-poll this long after the last request, then sleep
     threads: int = 1
+    layer_experts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # per-layer override
+
+    def holdings(self, moe_layers: tuple[int, ...]) -> dict[int, list[int]]:
+        """Which experts this server holds in each MoE layer (possibly none in some)."""
+        return {layer: sorted(self.layer_experts.get(layer, self.experts)) for layer in moe_layers}
 
 
 @dataclass
@@ -65,9 +70,11 @@ class ExpertServer:
         self.info = MoeModelInfo.from_model_path(config.model_path)
         self.dtype = DTYPES_BY_NAME[dtype_name(
             self.info.dtype if config.dtype == "auto" else config.dtype)]
-        self.digests = expert_digests(config.model_path, self.info, list(config.experts))
+        self.holdings = config.holdings(self.info.moe_layers)
+        self.experts = sorted({e for ids in self.holdings.values() for e in ids})  # any layer
+        self.digests = expert_digests(config.model_path, self.info, self.experts)
         self.layers: dict[int, LayerExperts] = load_experts(
-            config.model_path, self.info, list(config.experts), self.dtype)
+            config.model_path, self.info, self.holdings, self.dtype)
         self.region_layout = RegionLayout.for_requests(
             config.max_clients, config.max_tokens, self.info.hidden_size, self.info.top_k)
         self.transport = transports.create_server_transport(
@@ -139,7 +146,7 @@ class ExpertServer:
         slot = ServerSlot(self.region, self.region_layout.base(index), layout)
         reply = JoinReply(slot=index, region=self.region.handle.to_dict(), base=slot.base,
                           bell=self.region_layout.bell, layout=layout,
-                          experts=list(self.config.experts),
+                          experts=self.experts, layer_experts=self.holdings,
                           moe_layers=list(self.info.moe_layers), first_seq=first_seq)
         return reply, _Membership(self, index, slot, request.client, first_seq)
 
@@ -147,7 +154,9 @@ class ExpertServer:
         return {**self.stats, "weight_bytes": self.weight_bytes(),
                 "fingerprint": self.info.fingerprint(), "pid": os.getpid(),
                 "expert_digests": {str(e): d for e, d in self.digests.items()},
-                "experts": list(self.config.experts), "clients": len(self._active)}
+                "experts": self.experts,
+                "layer_experts": {str(layer): ids for layer, ids in self.holdings.items()},
+                "clients": len(self._active)}
 
     # -- data plane ----------------------------------------------------------------------
     def _collect(self, taken: set[int] = frozenset()) -> list[_Ready]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ibgda import TransportError
+from sglang_eaas.placement import PlacedExperts
 from sglang_eaas.tools.server_process import free_port
 
 _PR_SET_PDEATHSIG = 1
@@ -37,7 +38,16 @@ class LocalServer:
                 self.process.wait()
 
 
-def start_local_servers(model_path: str | Path, placements: list[list[int]], dtype: str,
+def expert_args(experts: PlacedExperts) -> list[str]:
+    """The expert server's flags for a placement entry: ``--experts`` for the same experts in
+    every layer, one ``--layer-experts LAYER=IDS`` per layer otherwise."""
+    if not isinstance(experts, dict):
+        return ["--experts", ",".join(map(str, experts))]
+    return [arg for layer, ids in sorted(experts.items())
+            for arg in ("--layer-experts", f"{layer}={','.join(map(str, ids)) or 'none'}")]
+
+
+def start_local_servers(model_path: str | Path, placements: list[PlacedExperts], dtype: str,
                         max_clients: int, extra_args: tuple[str, ...] = (),
                         startup_timeout: float = 180.0, stdout=None) -> list[LocalServer]:
     """Start one expert server per placement entry; return them once all answer.
@@ -49,7 +59,7 @@ def start_local_servers(model_path: str | Path, placements: list[list[int]], dty
     for experts in placements:
         address = f"127.0.0.1:{free_port()}"
         command = [sys.executable, "-m", "sglang_eaas.expert_server", "--model-path",
-                   str(model_path), "--experts", ",".join(map(str, experts)), "--listen", address,
+                   str(model_path), *expert_args(experts), "--listen", address,
                    "--dtype", dtype, "--max-clients", str(max_clients), *extra_args]
         process = subprocess.Popen(command, preexec_fn=die_with_parent, stdout=stdout,
                                    stderr=subprocess.STDOUT if stdout else None)

@@ -26,11 +26,12 @@ from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import control
 from sglang_eaas.protocol.slot import DTYPE_NAMES
 from sglang_eaas.placement import (
-    ExpertRouting,
     PlacementError,
     even_placement,
+    layer_holdings,
     load_placement_file,
 )
+from sglang_eaas.routing_table import RoutingTable
 
 logger = logging.getLogger(__name__)
 DEFAULT_LOCAL = LocalServers(2)
@@ -72,7 +73,10 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
     else:
         placements = None
     if placements is not None:
-        ExpertRouting(placements, info.num_experts)  # every expert covered, ids in range
+        # Every expert of every MoE layer covered, ids in range.
+        RoutingTable.build(0, {f"local:{i}": layer_holdings(p, info.moe_layers)
+                               for i, p in enumerate(placements)},
+                           list(info.moe_layers), info.num_experts)
         if not envs.TOKEN.get():  # inherited by the local servers and SGLang's workers
             os.environ[envs.TOKEN.name] = secrets.token_hex(16)
         logger.info("sglang-eaas: starting %d local expert servers: %s", len(placements),
@@ -87,7 +91,7 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
     if not envs.TOKEN.get():
         raise TransportError(f"expert servers started separately need their shared token: set "
                              f"{envs.TOKEN.name} or pass --eaas-token")
-    held, digests = [], expert_digests(model_path, info)
+    held, digests = {}, expert_digests(model_path, info)
     for address in servers.addresses:
         stats = probe(address)
         if stats["fingerprint"] != info.fingerprint():
@@ -98,11 +102,11 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
             raise PlacementError(f"expert server {address} holds other weights for experts "
                                  f"{differ} than {model_path} (another checkpoint of the same "
                                  "shape)")
-        if planned and stats["experts"] != planned[address]:
-            raise PlacementError(f"expert server {address} holds experts {stats['experts']}, "
-                                 f"{cfg.placement} says {planned[address]}")
-        held.append(stats["experts"])
-    ExpertRouting(held, info.num_experts)
+        held[address] = {int(layer): ids for layer, ids in stats["layer_experts"].items()}
+        if planned and held[address] != layer_holdings(planned[address], info.moe_layers):
+            raise PlacementError(f"expert server {address} holds experts {held[address]} (per "
+                                 f"MoE layer), {cfg.placement} says {planned[address]}")
+    RoutingTable.build(0, held, list(info.moe_layers), info.num_experts)
     return dataclasses.replace(cfg, expert_servers=servers)
 
 

@@ -105,21 +105,24 @@ class JoinReply:
     base: int  # the slot's offset in the region
     bell: int  # the server doorbell's offset
     layout: SlotLayout
-    experts: list[int]
+    experts: list[int]  # held in at least one layer
+    layer_experts: dict[int, list[int]]  # MoE layer -> experts held there (maybe none)
     moe_layers: list[int]
     first_seq: int  # the client's first request is first_seq + 1 (a fresh range per join)
 
     def to_message(self) -> dict[str, Any]:
         return {"ok": True, **asdict(self), "layout": {
-            **asdict(self.layout), "dtype": int(self.layout.dtype)}}
+            **asdict(self.layout), "dtype": int(self.layout.dtype)},
+            "layer_experts": {str(layer): ids for layer, ids in self.layer_experts.items()}}
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> "JoinReply":
         layout = dict(message["layout"])
         layout["dtype"] = DType(layout["dtype"])
         return cls(message["slot"], message["region"], message["base"], message["bell"],
-                   SlotLayout(**layout), list(message["experts"]), list(message["moe_layers"]),
-                   message["first_seq"])
+                   SlotLayout(**layout), list(message["experts"]),
+                   {int(layer): list(ids) for layer, ids in message["layer_experts"].items()},
+                   list(message["moe_layers"]), message["first_seq"])
 
 
 OPS = ("join", "ready", "stats", "leave")
