@@ -20,8 +20,9 @@ def parse_args(argv: list[str] | None = None):
 
     p = argparse.ArgumentParser(
         prog="python -m sglang_eaas.expert_server",
-        description="A stateless expert server: holds some routed experts of every MoE layer "
-        "of a checkpoint and serves attention clients (SGLang with --eaas) over one-sided slots.",
+        description="A stateless expert server: holds some routed experts of each MoE layer "
+        "of a checkpoint (the same in every layer, or per layer) and serves attention clients "
+        "(SGLang with --eaas) over one-sided slots.",
     )
     p.add_argument("--model-path", required=True, help="HF checkpoint folder (config.json + "
                    "safetensors); only this server's experts are read from it")
