@@ -25,6 +25,7 @@ class RoutingTable:
     servers: tuple[str, ...]  # stable server ids; ``ExpertRouting`` indices point into this
     layers: Mapping[int, ExpertRouting]  # MoE layer id -> who holds which expert there
     num_experts: int
+    placement: Mapping[str, Mapping[int, tuple[int, ...]]]  # what ``build`` was given, sorted
 
     @classmethod
     def build(cls, epoch: int, holdings: Holdings, moe_layers: list[int],
@@ -42,7 +43,9 @@ class RoutingTable:
                                               num_experts)
             except PlacementError as exc:
                 raise PlacementError(f"MoE layer {layer}: {exc}") from None
-        return cls(epoch, servers, layers, num_experts)
+        placement = {s: {layer: tuple(sorted(holdings[s][layer])) for layer in moe_layers}
+                     for s in servers}
+        return cls(epoch, servers, layers, num_experts, placement)
 
     @classmethod
     def uniform(cls, epoch: int, experts: Mapping[str, list[int]], moe_layers: list[int],
@@ -52,13 +55,9 @@ class RoutingTable:
                                  for s, e in experts.items()}, moe_layers, num_experts)
 
     def holdings(self) -> dict[str, dict[int, list[int]]]:
-        """The table's placement, as ``build`` takes it."""
-        out: dict[str, dict[int, list[int]]] = {s: {} for s in self.servers}
-        for layer, routing in self.layers.items():
-            for index, server in enumerate(self.servers):
-                out[server][layer] = [e for e in range(self.num_experts)
-                                      if index in routing.table[e, : routing.replicas[e]]]
-        return out
+        """The table's placement, as ``build`` takes it (a copy to change)."""
+        return {s: {layer: list(ids) for layer, ids in layers.items()}
+                for s, layers in self.placement.items()}
 
     def without(self, server: str) -> "RoutingTable":
         """The next epoch without ``server``; ``PlacementError`` naming the layer and experts
