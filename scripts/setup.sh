@@ -27,8 +27,10 @@ else
 fi
 
 # Mooncake (ibgda's cross-host backend) loads Debian's libibverbs1 at import, RDMA or not.
-# Checked on every run: a cached venv may meet a fresh machine.
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+# Checked on every run: a cached venv may meet a fresh machine. ldconfig's listing is read whole
+# first: with pipefail, 'ldconfig -p | grep -q' fails when grep quits early and ldconfig gets SIGPIPE.
+linker_cache="$(ldconfig -p 2>/dev/null || true)"
+if ! grep -q 'libibverbs\.so\.1' <<<"$linker_cache"; then
   [[ $(id -u) == 0 ]] || die "Mooncake needs libibverbs1: run 'sudo apt-get install -y libibverbs1', then this again"
   step "installing Debian's libibverbs1 (for Mooncake)"
   apt_quiet() { DEBIAN_FRONTEND=noninteractive apt-get "$@" >/dev/null; }

@@ -22,7 +22,8 @@ from sglang_eaas.checkpoint import ModelIdentity, expert_digests
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.protocol.control import MAX_AUTH_LINE, MAX_LINE, ControlChannel, auth_line, probe
+from sglang_eaas.protocol.control import probe
+from sglang_eaas.protocol.lines import MAX_AUTH_LINE, MAX_LINE, Channel, auth_line
 from sglang_eaas.tools.make_tiny_model import PRESETS
 
 TOKEN = os.environ["SGLANG_EAAS_TOKEN"]
@@ -74,7 +75,7 @@ def test_unauthenticated_connections_get_one_reply_and_are_closed(server, data, 
     after, closed_after = _refused(server.address)
     assert closed
     if reason == "unauthenticated":  # (an over-long line may be reset before the reply lands)
-        assert replies == [{"ok": False, "error": replies[0]["error"]}]
+        assert replies == [{"ok": False, "error": replies[0]["error"], "reason": reason}]
         assert "authentication failed" in replies[0]["error"]
     assert after.get(reason, 0) == before.get(reason, 0) + 1
     assert closed_after == closed_before + 1
@@ -128,7 +129,7 @@ def test_a_wrong_token_through_the_client_is_one_clear_error(server, tiny_qwen3)
     with pytest.raises(TransportError, match="refused to join: authentication failed"):
         ServerConnection(server.address, "intruder", ModelIdentity.of(tiny_qwen3), "float32",
                          token="wrong")
-    channel = ControlChannel(server.address, TOKEN)
+    channel = Channel(server.address, TOKEN)
     try:  # and the server serves everyone else as before
         assert channel.call("stats")["stats"]["experts"] == [0, 1, 2, 3]
     finally:
@@ -186,7 +187,7 @@ def test_launch_refuses_a_separately_started_server_with_other_weights(tiny_qwen
 
 def test_a_connection_that_never_authenticates_is_closed_after_the_timeout(server):
     """A peer that connects and says nothing holds a thread only for AUTH_TIMEOUT."""
-    from sglang_eaas.protocol.control import AUTH_TIMEOUT
+    from sglang_eaas.protocol.lines import AUTH_TIMEOUT
 
     before, closed_before = _refused(server.address)
     host, port = server.address.rsplit(":", 1)

@@ -14,6 +14,7 @@ import torch
 from conftest import open_log
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client import graph_check
+from sglang_eaas.client.device_step import DeviceFailure
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
@@ -203,13 +204,14 @@ def test_device_path_failures_reach_the_host(client_of, servers, tiny_qwen3):
     # A client that believes server 0 holds every expert sends it experts it does not hold.
     wrong.device_step.routing = _routing(servers, [list(range(8)), [0]])
     with pytest.raises(TransportError, match="rejected a request: FOREIGN_EXPERT"):
-        wrong.forward(0, x, torch.tensor([[5, 6], [7, 4]]), weights)
+        wrong.forward(0, x, torch.tensor([[5, 6], [7, 4]]), weights)  # answered wrongly: raised
     patient = client_of("patient", timeout=0.5)
     os.kill(servers[1].process.pid, signal.SIGSTOP)
     try:
-        with pytest.raises(TransportError,
-                           match=f"{servers[1].address} did not answer within 0.5s"):
-            patient.forward(0, x, ids, weights)
+        with pytest.raises(DeviceFailure,
+                           match=f"{servers[1].address} did not answer within 0.5s") as raised:
+            patient.device_step.forward(0, x, ids, weights)
+        assert raised.value.unanswered == {servers[1].address}
     finally:
         os.kill(servers[1].process.pid, signal.SIGCONT)
 

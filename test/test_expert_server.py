@@ -23,7 +23,7 @@ from sglang_eaas.launcher.prepare import probe
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RequestHeader, SlotState
-from sglang_eaas.protocol.control import ControlChannel
+from sglang_eaas.protocol.lines import Channel
 from sglang_eaas.protocol.header import RejectReason
 from sglang_eaas.tools.make_tiny_model import PRESETS
 
@@ -277,7 +277,7 @@ def test_unauthenticated_clients_are_refused(servers, info, monkeypatch):
 
 def test_a_join_never_confirmed_leaves_nothing_behind(servers, info):
     """A client that joins but dies before 'ready' holds no slot: all slots can be taken."""
-    channel = ControlChannel(servers[0].address, os.environ["SGLANG_EAAS_TOKEN"])
+    channel = Channel(servers[0].address, os.environ["SGLANG_EAAS_TOKEN"])
     try:
         identity = _identity()
         reply = channel.call("join", client="half", dtype="float32", transport="auto",

@@ -13,7 +13,8 @@ from conftest import CACHE, open_log
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.launcher.local_servers import start_local_servers
-from sglang_eaas.protocol.control import AUTH_PREFIX, probe
+from sglang_eaas.protocol.control import probe
+from sglang_eaas.protocol.lines import AUTH_PREFIX
 from sglang_eaas.protocol.header import MAGIC, RejectReason
 from sglang_eaas.tools.fuzz.checks import final_checks
 from sglang_eaas.tools.fuzz.control_cases import ControlCase, Line
@@ -178,7 +179,7 @@ def test_a_slot_rejoined_under_a_stale_snapshot_is_read_as_the_new_clients(tiny_
                                              max_clients=1, max_tokens=8))
 
     def join(dtype: str):
-        reply, member = server._join(JoinRequest("c", identity.fingerprint, dtype, "auto",
+        reply, member = server.join(JoinRequest("c", identity.fingerprint, dtype, "auto",
                                                  list(identity.expert_digests)))
         member.activate()
         return reply, member

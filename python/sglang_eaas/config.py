@@ -16,7 +16,11 @@ from pathlib import Path
 
 from sglang_eaas import transports
 from sglang_eaas.addresses import AddressError, parse_address
+from sglang_eaas.monitor import HEARTBEAT, LOSS_TIMEOUT, MonitorSpec, parse_monitor
 from sglang_eaas.protocol.slot import POLL_SPIN_US
+
+RESULT_TIMEOUT = 2.0  # seconds a server may take to answer one layer before it is dropped
+WAIT_FOR_SERVERS = 300.0  # seconds to wait at launch for every expert to have a live holder
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,23 @@ def _non_negative(value: str) -> int:
     return int(value)
 
 
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return seconds
+
+
+def _monitor(spec: str) -> MonitorSpec:
+    try:
+        return parse_monitor(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def existing_file(path: str) -> Path:
     p = Path(path)
     if not p.is_file():
@@ -78,6 +99,13 @@ class EaasConfig:
     token: str | None = field(default=None, repr=False)  # else SGLANG_EAAS_TOKEN
     transport: str = transports.AUTO
     poll_spin_us: int = POLL_SPIN_US  # busy-poll for a result this long, then sleep
+    # The monitor: as given (embedded by default); the launcher replaces an embedded one by
+    # the address it listens on, so workers get a HOST:PORT or etcd:// URL.
+    monitor: MonitorSpec | str = field(default_factory=lambda: parse_monitor("embedded"))
+    heartbeat: float = HEARTBEAT
+    loss_timeout: float = LOSS_TIMEOUT  # an embedded monitor's
+    result_timeout: float = RESULT_TIMEOUT
+    wait_for_servers: float = WAIT_FOR_SERVERS
 
     def __reduce__(self):
         return (_restore_in_worker, tuple(getattr(self, f.name) for f in fields(self)))
@@ -158,6 +186,53 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "the core to other runnable processes between polls) before sleeping on the result "
         f"doorbell; 0 sleeps at once (default: {POLL_SPIN_US}).",
     )
+    group.add_argument(
+        "--eaas-monitor",
+        type=_monitor,
+        default=None,
+        metavar="ADDR",
+        help="The monitor that expert servers and this server's ranks register and heartbeat "
+        "with, and that tells every client of joins, drains and losses: 'embedded' (default: "
+        "started by this launcher on a free loopback port), 'embedded:HOST:PORT' (the same, "
+        "where separately started servers can reach it: --monitor HOST:PORT), 'HOST:PORT' (a "
+        "standalone 'python -m sglang_eaas.monitor' or another SGLang's embedded one, to share "
+        "one pool of expert servers; without --eaas-expert-servers, the servers registered "
+        "there are used) or 'etcd://HOST:PORT' (an etcd cluster, for multi-host deployments).",
+    )
+    group.add_argument(
+        "--eaas-heartbeat",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help=f"Seconds between heartbeats to the monitor, for this server's ranks and its local "
+        f"expert servers (default: {HEARTBEAT}; at most half the loss timeout).",
+    )
+    group.add_argument(
+        "--eaas-loss-timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help=f"An embedded monitor loses a member that has not heartbeated for this long "
+        f"(default: {LOSS_TIMEOUT}, which detects a dead or hung expert server within a second; "
+        "a standalone monitor has its own --loss-timeout).",
+    )
+    group.add_argument(
+        "--eaas-result-timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help=f"An expert server that has not answered one layer's request after this long is "
+        f"dropped from the routing table and the tokens go to other holders of their experts "
+        f"(default: {RESULT_TIMEOUT}); sizing it: docs/fault-tolerance.md.",
+    )
+    group.add_argument(
+        "--eaas-wait-for-servers",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="With a shared monitor and no --eaas-expert-servers: how long the launch waits "
+        f"for every expert to have a live holder there (default: {WAIT_FOR_SERVERS:.0f}).",
+    )
 
 
 def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
@@ -170,7 +245,8 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
         given = [
             f"--{name.replace('_', '-')}"
             for name in ("eaas_expert_servers", "eaas_placement", "eaas_token", "eaas_transport",
-                         "eaas_poll_spin_us")
+                         "eaas_poll_spin_us", "eaas_monitor", "eaas_heartbeat",
+                         "eaas_loss_timeout", "eaas_result_timeout", "eaas_wait_for_servers")
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -180,9 +256,24 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
         raise ValueError("--eaas replaces expert parallelism: drop --ep/--moe-a2a-backend "
                          "(attention keeps --tp)")
     spin = args.eaas_poll_spin_us
+    monitor = args.eaas_monitor or parse_monitor("embedded")
+    heartbeat = args.eaas_heartbeat or HEARTBEAT
+    loss = args.eaas_loss_timeout or LOSS_TIMEOUT
+    if monitor.kind != "embedded" and args.eaas_loss_timeout is not None:
+        raise ValueError("--eaas-loss-timeout applies to an embedded monitor; a standalone one "
+                         "has its own --loss-timeout")
+    if monitor.kind == "embedded" and heartbeat > loss / 2:
+        raise ValueError(f"--eaas-heartbeat {heartbeat} must be at most half of the loss "
+                         f"timeout ({loss}s, --eaas-loss-timeout)")
+    if args.eaas_wait_for_servers is not None and (
+            args.eaas_expert_servers is not None or monitor.kind == "embedded"):
+        raise ValueError("--eaas-wait-for-servers applies to a shared monitor "
+                         "(--eaas-monitor HOST:PORT or etcd://) without --eaas-expert-servers")
     return EaasConfig(args.eaas_expert_servers, args.eaas_placement, args.eaas_token,
                       args.eaas_transport or transports.AUTO,
-                      POLL_SPIN_US if spin is None else spin)
+                      POLL_SPIN_US if spin is None else spin, monitor, heartbeat, loss,
+                      args.eaas_result_timeout or RESULT_TIMEOUT,
+                      args.eaas_wait_for_servers or WAIT_FOR_SERVERS)
 
 
 def current() -> EaasConfig | None:

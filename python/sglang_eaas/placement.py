@@ -139,14 +139,20 @@ def _check_server_name(entry: str, name: object) -> None:
         raise PlacementError(f"{entry}: {exc}") from None
 
 
+NO_HOLDER = -2  # what ``ExpertRouting.assign`` gives an entry whose expert no server holds
+
+
 class ExpertRouting:
     """Global expert id -> the servers holding it; assigns each (token, k) entry to one server.
 
     An expert on several servers (replicas) has its entries of a batch dealt round-robin over
-    them in token order: deterministic, and even to within one entry.
+    them in token order: deterministic, and even to within one entry. With ``allow_missing``, an
+    expert no server holds (its last holder was lost) is kept in ``missing`` and its entries are
+    assigned ``NO_HOLDER``; otherwise it is a ``PlacementError``.
     """
 
-    def __init__(self, server_experts: list[list[int]], num_experts: int):
+    def __init__(self, server_experts: list[list[int]], num_experts: int,
+                 allow_missing: bool = False):
         holders: list[list[int]] = [[] for _ in range(num_experts)]
         for server, experts in enumerate(server_experts):
             for e in experts:
@@ -154,17 +160,19 @@ class ExpertRouting:
                     raise PlacementError(
                         f"server {server} holds expert {e}, but the model has {num_experts}")
                 holders[e].append(server)
-        missing = [e for e, h in enumerate(holders) if not h]
-        if missing:
-            raise PlacementError(f"experts {missing} are on no expert server")
+        self.missing = [e for e, h in enumerate(holders) if not h]
+        if self.missing and not allow_missing:
+            raise PlacementError(f"experts {self.missing} are on no expert server")
         self.num_servers = len(server_experts)
-        width = max(len(h) for h in holders)
-        self.replicas = np.array([len(h) for h in holders])
-        self.table = np.array([h + h[:1] * (width - len(h)) for h in holders])
+        width = max(1, max(len(h) for h in holders))
+        self.replicas = np.array([max(1, len(h)) for h in holders])
+        self.table = np.array([(h + h[:1] * (width - len(h))) if h else [NO_HOLDER] * width
+                               for h in holders], dtype=np.int64).reshape(num_experts, width)
         self.has_replicas = width > 1
 
     def assign(self, expert_ids: np.ndarray) -> np.ndarray:
-        """``[T, K]`` expert ids -> ``[T, K]`` server index per entry (-1 for id -1).
+        """``[T, K]`` expert ids -> ``[T, K]`` server index per entry (-1 for id -1,
+        ``NO_HOLDER`` for an expert no server holds).
 
         NumPy, not torch: this is bookkeeping on a few small integer arrays, where NumPy's
         per-call cost is a fraction of torch's.

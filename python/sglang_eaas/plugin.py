@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 from sglang_eaas import config, request_checks
-from sglang_eaas.client import graph_check, sglang_moe
+from sglang_eaas.client import graph_check, sglang_moe, steps
 from sglang_eaas.cpu_runtime import moe_native_ep, server_defaults
 from sglang_eaas.launcher import prepare
 
@@ -82,6 +82,20 @@ HOOKS: tuple[Hook, ...] = (
         graph_check.check_after_replay,
         "--eaas device transport: check the device exchange after each decode graph replay; "
         "redo a failed batch once without the graph",
+    ),
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler.run_batch",
+        "AROUND",
+        steps.run_batch,
+        "--eaas: a rank adopts a new routing table only between steps; rows whose experts had "
+        "no live holder are traced to their requests",
+    ),
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+        "BEFORE",
+        steps.fail_requests,
+        "--eaas: requests that needed an expert with no live holder end with HTTP 503 (naming "
+        "the layer and experts), their KV kept out of the radix cache; the batch goes on",
     ),
     Hook(
         "sglang.srt.model_loader.loader.DefaultModelLoader._get_all_weights",

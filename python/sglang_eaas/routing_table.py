@@ -28,10 +28,11 @@ class RoutingTable:
     placement: Mapping[str, Mapping[int, tuple[int, ...]]]  # what ``build`` was given, sorted
 
     @classmethod
-    def build(cls, epoch: int, holdings: Holdings, moe_layers: list[int],
-              num_experts: int) -> "RoutingTable":
-        """The table of ``holdings``; ``PlacementError`` if an expert of some layer has no
-        holder or a layer is missing."""
+    def build(cls, epoch: int, holdings: Holdings, moe_layers: list[int], num_experts: int,
+              allow_missing: bool = False) -> "RoutingTable":
+        """The table of ``holdings``; ``PlacementError`` if a layer is missing, or (unless
+        ``allow_missing``: a live tier that lost the last holder of an expert) if an expert of
+        some layer has no holder."""
         servers = tuple(holdings)
         layers = {}
         for layer in moe_layers:
@@ -40,7 +41,7 @@ class RoutingTable:
                 raise PlacementError(f"servers {missing} say nothing about MoE layer {layer}")
             try:
                 layers[layer] = ExpertRouting([list(holdings[s][layer]) for s in servers],
-                                              num_experts)
+                                              num_experts, allow_missing)
             except PlacementError as exc:
                 raise PlacementError(f"MoE layer {layer}: {exc}") from None
         placement = {s: {layer: tuple(sorted(holdings[s][layer])) for layer in moe_layers}
@@ -54,26 +55,34 @@ class RoutingTable:
         return cls.build(epoch, {s: {layer: list(e) for layer in moe_layers}
                                  for s, e in experts.items()}, moe_layers, num_experts)
 
+    @property
+    def missing(self) -> dict[int, list[int]]:
+        """MoE layer -> experts no server of this table holds (only with ``allow_missing``)."""
+        return {layer: r.missing for layer, r in self.layers.items() if r.missing}
+
     def holdings(self) -> dict[str, dict[int, list[int]]]:
         """The table's placement, as ``build`` takes it (a copy to change)."""
         return {s: {layer: list(ids) for layer, ids in layers.items()}
                 for s, layers in self.placement.items()}
 
-    def without(self, server: str) -> "RoutingTable":
+    def without(self, server: str, allow_missing: bool = False) -> "RoutingTable":
         """The next epoch without ``server``; ``PlacementError`` naming the layer and experts
-        that would lose their last holder."""
+        that would lose their last holder, unless ``allow_missing``."""
         holdings = self.holdings()
         holdings.pop(server)
-        return RoutingTable.build(self.epoch + 1, holdings, list(self.layers), self.num_experts)
+        return RoutingTable.build(self.epoch + 1, holdings, list(self.layers), self.num_experts,
+                                  allow_missing)
 
     def with_server(self, server: str, layers: Mapping[int, list[int]]) -> "RoutingTable":
         """The next epoch with ``server`` holding ``layers`` (replacing what it held)."""
         holdings = self.holdings()
         holdings[server] = {layer: list(experts) for layer, experts in layers.items()}
-        return RoutingTable.build(self.epoch + 1, holdings, list(self.layers), self.num_experts)
+        return RoutingTable.build(self.epoch + 1, holdings, list(self.layers), self.num_experts,
+                                  allow_missing=bool(self.missing))
 
     def assign(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
-        """``[T, K]`` expert ids of ``layer`` -> ``[T, K]`` indices into ``servers`` (-1 for -1)."""
+        """``[T, K]`` expert ids of ``layer`` -> ``[T, K]`` indices into ``servers`` (-1 for -1,
+        ``placement.NO_HOLDER`` for an expert no server holds)."""
         return self.layers[layer].assign(expert_ids)
 
 
@@ -89,7 +98,7 @@ class DeviceRoutingTable:
     def __init__(self, table: RoutingTable, device: torch.device | str):
         self.servers, self.num_experts = table.servers, table.num_experts
         self.rows = {layer: row for row, layer in enumerate(table.layers)}
-        width = len(table.servers)  # room for an expert on every server
+        width = max(1, len(table.servers))  # room for an expert on every server
         self.holders = torch.zeros(len(self.rows), table.num_experts, width, dtype=torch.int64,
                                    device=device)
         self.replicas = torch.ones(len(self.rows), table.num_experts, dtype=torch.int64,

@@ -1,19 +1,40 @@
-"""``EaasClient``: one attention rank's dispatch -> (remote run) -> combine over expert servers."""
+"""``EaasClient``: one attention rank's dispatch -> (remote run) -> combine over expert servers.
+
+The data path. It reads a ``View`` (routing table + connections) from its ``ClientTier`` and
+adopts a new one only between steps (``begin_step`` / the first MoE layer of a step), so every
+layer of a step reads one table. Failures are handled where they are seen:
+
+* a server that does not answer within ``result_timeout`` (or that the monitor reports lost
+  meanwhile, or whose connection broke) is dropped at once (``ClientTier.lose``, a narrower
+  view for the rest of the step) and the entries it had are sent again to the other holders of
+  their experts: tokens come out as if it had never been there;
+* an entry whose expert has no live holder cannot be computed: the token's row is recorded as
+  failed (``end_step`` returns them, naming the layer and experts) and the rest of the batch
+  goes on; SGLang ends the requests those rows belong to with an error (``client/steps.py``).
+"""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import torch
 
 from ibgda import TransportError
 from sglang_eaas import transports
-from sglang_eaas.client.connection import ServerConnection
-from sglang_eaas.client.device_step import DeviceStep, drives_devices
 from sglang_eaas.checkpoint import ModelIdentity
+from sglang_eaas.client.connection import ServerConnection
+from sglang_eaas.client.device_step import DeviceFailure, DeviceStep, drives_devices
+from sglang_eaas.client.tier import ClientTier, TierSettings, View
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.placement import PlacedExperts, PlacementError, layer_holdings
-from sglang_eaas.protocol.slot import DTYPE_NAMES, POLL_SPIN_US
+from sglang_eaas.monitor import HEARTBEAT
+from sglang_eaas.placement import NO_HOLDER, PlacedExperts, PlacementError
+from sglang_eaas.protocol import ProtocolError
+from sglang_eaas.protocol.slot import POLL_SPIN_US
 from sglang_eaas.routing_table import RoutingTable
+
+WAIT_SLICE = 0.05  # seconds between checks, while waiting, of what the monitor said
 
 
 class EaasClient:
@@ -22,100 +43,243 @@ class EaasClient:
     def __init__(self, addresses: list[str], info: MoeModelInfo, model: ModelIdentity,
                  dtype: torch.dtype, name: str,
                  expected_experts: dict[str, PlacedExperts] | None = None,
-                 result_timeout: float = 120.0, transport: str = transports.AUTO,
-                 poll_spin: float = POLL_SPIN_US * 1e-6):
+                 result_timeout: float = 2.0, transport: str = transports.AUTO,
+                 poll_spin: float = POLL_SPIN_US * 1e-6, monitor: str = "",
+                 heartbeat: float = HEARTBEAT, wait_for_experts: float = 30.0):
         self.info, self.result_timeout, self.poll_spin = info, result_timeout, poll_spin
-        self.connections: list[ServerConnection] = []
-        try:
-            for address in addresses:
-                self.connections.append(
-                    ServerConnection(address, name, model, DTYPE_NAMES[dtype],
-                                     transport=transport))
-            for conn in self.connections:
-                planned = (None if expected_experts is None else
-                           layer_holdings(expected_experts[conn.address], info.moe_layers))
-                if planned is not None and conn.layer_experts != planned:
-                    raise PlacementError(
-                        f"expert server {conn.address} holds experts {conn.layer_experts} (per "
-                        f"MoE layer), the placement file says {planned}")
-            self._by_id = {c.address: c for c in self.connections}
-            self.table = RoutingTable.build(0, {c.address: c.layer_experts
-                                                for c in self.connections},
-                                            list(info.moe_layers), info.num_experts)
-        except BaseException:
-            self.close()
-            raise
-        self._staged: RoutingTable | None = None
+        self.tier = ClientTier(TierSettings(tuple(addresses), monitor, heartbeat, result_timeout,
+                                            transport, expected_experts, wait_for_experts),
+                               info, model, dtype, name)
+        self._lock = threading.Lock()  # the view in use, the staged one, in_step
+        self._staged: View | None = None
+        self.in_step = False
         self._first_layer = min(info.moe_layers)
-        self.max_tokens = min(c.layout.max_tokens for c in self.connections)
-        # Where every server is reached by kernels, the whole exchange runs on the device.
-        self.device_step = (DeviceStep(self.connections, self.table, result_timeout)
-                            if all(drives_devices(c) for c in self.connections) else None)
+        self._failed: dict[int, str] = {}  # token row -> why it could not be computed
+        self._device_ok = True
+        self._device_step: DeviceStep | None = None
+        self._explicit_steps = False  # begin_step/end_step are called (SGLang's run_batch)
+        self.view = self.tier.start()
+        self._install(self.view)
+        self.tier.on_view = self.stage
 
-    def stage(self, table: RoutingTable) -> None:
-        """Use ``table`` from the next step on: it is adopted when the step's first MoE layer
-        starts, so every layer of a step sees one table, never half of two. Its servers must be
-        connected (joining new ones is the caller's business)."""
-        unknown = [s for s in table.servers if s not in self._by_id]
-        if unknown:
-            raise PlacementError(f"routing table {table.epoch} names servers {unknown} this "
-                                 "client is not connected to")
-        if table.epoch <= self.table.epoch:
-            raise PlacementError(f"routing table {table.epoch} is not newer than the table in "
-                                 f"use ({self.table.epoch})")
-        self._staged = table
+    # -- views -----------------------------------------------------------------------------
+    @property
+    def table(self) -> RoutingTable:
+        return self.view.table
 
-    def _table_for(self, layer_id: int) -> RoutingTable:
-        """The table this layer reads: a staged table is adopted at the first MoE layer."""
-        staged = self._staged
-        if staged is not None and layer_id == self._first_layer:
-            self._staged = None
-            if self.device_step is not None:
-                self.device_step.load_table(staged)
-            self.table = staged
-        return self.table
+    @property
+    def connections(self) -> list[ServerConnection]:
+        return list(self.view.connections.values())
 
+    @property
+    def _by_id(self) -> dict[str, ServerConnection]:
+        return dict(self.view.connections)
+
+    @property
+    def device_step(self) -> DeviceStep | None:
+        return self._device_step
+
+    @device_step.setter
+    def device_step(self, step: DeviceStep | None) -> None:
+        """``None`` keeps this client on the host path (tests compare the two paths)."""
+        self._device_ok = step is not None
+        self._device_step = step
+
+    @property
+    def max_tokens(self) -> int:
+        return min((c.layout.max_tokens for c in self.view.connections.values()), default=1)
+
+    def stage(self, view: View | RoutingTable) -> None:
+        """Use ``view`` from the next step on (now, if no step is under way), so every layer of
+        a step sees one table, never half of two. A bare ``RoutingTable`` is viewed with this
+        client's connections, which must include its servers."""
+        if isinstance(view, RoutingTable):
+            live = self.tier.live_connections()
+            unknown = [s for s in view.servers if s not in live]
+            if unknown:
+                raise PlacementError(f"routing table {view.epoch} names servers {unknown} "
+                                     "this client is not connected to")
+            view = View(view, {s: live[s] for s in view.servers})
+        with self._lock:
+            newest = self._staged.epoch if self._staged is not None else self.view.epoch
+            if view.epoch <= newest:
+                raise PlacementError(f"routing table {view.epoch} is not newer than the table "
+                                     f"in use ({newest})")
+            if self.in_step:
+                self._staged = view
+            else:
+                self._staged = None
+                self._install(view)
+
+    def _install(self, view: View) -> None:
+        """Use ``view`` now (between steps, or after a failure narrowed the table)."""
+        conns = list(view.connections.values())
+        if self._device_ok and conns and all(drives_devices(c) for c in conns):
+            step = self._device_step
+            if step is not None and step.servers == view.table.servers:
+                step.load_table(view.table)  # the same tensors: a captured graph stays valid
+            else:
+                self._device_step = DeviceStep(conns, view.table, self.result_timeout)
+        else:
+            self._device_step = None
+        self.view = view
+        self.tier.adopted_epoch = view.epoch
+
+    def begin_step(self, explicit: bool = True) -> None:
+        """A step starts: adopt a staged view; forget the last step's failures."""
+        self._explicit_steps |= explicit
+        if self.tier.evicted:
+            self._install(self.tier.recover())
+        with self._lock:
+            self.in_step = True
+            self._failed = {}
+            staged, self._staged = self._staged, None
+            if staged is not None and staged.epoch > self.view.epoch:
+                self._install(staged)
+
+    def end_step(self) -> dict[int, str]:
+        """The step is over: the token rows that could not be computed, and why; a view
+        staged meanwhile is adopted now."""
+        with self._lock:
+            self.in_step = False
+            staged, self._staged = self._staged, None
+            if staged is not None and staged.epoch > self.view.epoch:
+                self._install(staged)
+            failed, self._failed = self._failed, {}
+        return failed
+
+    def _view_for(self, layer_id: int) -> View:
+        """The view this layer reads; without explicit steps, a step is everything from one
+        first MoE layer to the next."""
+        if layer_id == self._first_layer and not self._explicit_steps:
+            self.end_step()
+            self.begin_step(explicit=False)
+        return self.view
+
+    # -- the data path ---------------------------------------------------------------------
     def forward(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
+                topk_weights: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
         """``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` computed by the expert servers.
 
         Args:
             hidden: ``[T, H]``; topk_ids: ``[T, K]`` global expert ids; topk_weights: ``[T, K]``.
+            row_offset: where these rows start in the step's batch (failed rows are recorded
+                at ``row_offset + row``).
         Returns:
             ``[T, H]`` in ``hidden.dtype``: partial sums added in server order (deterministic).
+            Rows that need an expert no live server holds lack that expert's share; they are
+            recorded (``end_step``).
         """
-        table = self._table_for(layer_id)  # read once: the whole layer uses this table
-        if self.device_step is not None:
-            return self.device_step.forward(layer_id, hidden, topk_ids, topk_weights)
+        self._view_for(layer_id)
+        if self._device_step is not None:
+            return self._forward_device(layer_id, hidden, topk_ids, topk_weights, row_offset)
+        return self._forward_host(layer_id, hidden, topk_ids, topk_weights, row_offset)
+
+    def _forward_host(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor, row_offset: int) -> torch.Tensor:
         out = torch.zeros_like(hidden)
         all_ids = topk_ids.cpu().numpy()
-        all_servers = table.assign(layer_id, all_ids)
         # Chunks of max_tokens consecutive tokens, as the device path makes them, so that each
         # server computes the same batches (and bits) on both paths.
-        for start in range(0, hidden.shape[0], self.max_tokens):
-            ids_np = all_ids[start : start + self.max_tokens]
-            server_of = all_servers[start : start + self.max_tokens]
-            sent = []
-            for index in np.unique(server_of[server_of >= 0]).tolist():
-                mask = server_of == index
-                rows = np.flatnonzero(mask.any(axis=1))
-                ids = torch.from_numpy(np.where(mask, ids_np, -1)[rows].astype(np.int32))
-                rows = torch.from_numpy(rows + start).to(hidden.device)
-                conn = self._by_id[table.servers[index]]
-                conn.slot.send(layer_id, hidden[rows], ids, topk_weights[rows].float())
-                sent.append((conn, rows))
-            for conn, rows in sent:
-                self._wait(conn, layer_id)
-                out.index_add_(0, rows, conn.slot.result().to(out.device))
+        step = self.max_tokens
+        for start in range(0, hidden.shape[0], step):
+            stop = start + step
+            self._combine_chunk(layer_id, hidden[start:stop], all_ids[start:stop],
+                                topk_weights[start:stop], out[start:stop], row_offset + start)
         return out
 
-    def _wait(self, conn: ServerConnection, layer_id: int) -> None:
-        if not conn.slot.wait(self.result_timeout, self.poll_spin):
-            raise TransportError(
-                f"expert server {conn.address} did not answer layer {layer_id} within "
-                f"{self.result_timeout:.0f}s")
+    def _combine_chunk(self, layer_id: int, hidden: torch.Tensor, ids: np.ndarray,
+                       weights: torch.Tensor, out: torch.Tensor, first_row: int) -> None:
+        """Send every entry of the chunk to a holder of its expert and add what comes back;
+        the entries of a server that fails go again to the other holders."""
+        pending = ids >= 0
+        while pending.any():
+            table, conns = self.view.table, self.view.connections
+            server_of = table.assign(layer_id, np.where(pending, ids, -1))
+            orphans = server_of == NO_HOLDER
+            if orphans.any():
+                self._record_orphans(layer_id, ids, orphans, first_row)
+                pending &= ~orphans
+            sent = []
+            for index in np.unique(server_of[pending & (server_of >= 0)]).tolist():
+                conn = conns[table.servers[index]]
+                mask = server_of == index
+                rows = np.flatnonzero(mask.any(axis=1))
+                chosen = torch.from_numpy(np.where(mask, ids, -1)[rows].astype(np.int32))
+                rows_t = torch.from_numpy(rows).to(hidden.device)
+                try:
+                    conn.slot.send(layer_id, hidden[rows_t], chosen, weights[rows_t].float())
+                except (TransportError, ProtocolError) as exc:
+                    self._lose(conn, f"sending failed: {exc}", report=True)
+                    continue
+                sent.append((conn, rows_t, mask))
+            for conn, rows_t, mask in sent:
+                why = self._wait(conn, layer_id)
+                if why is not None:
+                    self._lose(conn, why, report=conn.lost_why is None)
+                    continue
+                try:
+                    result = conn.slot.result()
+                except ProtocolError as exc:  # answered, wrongly: a bug to see, not to route around
+                    raise TransportError(f"expert server {conn.address}: {exc}") from None
+                out.index_add_(0, rows_t, result.to(out.device))
+                pending &= ~mask
+
+    def _wait(self, conn: ServerConnection, layer_id: int) -> str | None:
+        """Wait for ``conn``'s answer; ``None`` once it is there, else why it will not come."""
+        deadline = time.monotonic() + self.result_timeout
+        spin = self.poll_spin
+        while True:
+            remaining = deadline - time.monotonic()
+            if conn.slot.wait(max(0.0, min(WAIT_SLICE, remaining)), spin):
+                return None
+            spin = 0.0
+            if conn.lost_why is not None:
+                return conn.lost_why
+            if remaining <= 0:
+                self.tier.stats[f"timeouts:{conn.address}"] += 1
+                return f"did not answer MoE layer {layer_id} within {self.result_timeout:g}s"
+
+    def _lose(self, conn: ServerConnection, why: str, report: bool) -> None:
+        """Drop ``conn`` now: the rest of this step uses a table without it."""
+        self._install(self.tier.lose(conn, why, report))
+
+    def _record_orphans(self, layer_id: int, ids: np.ndarray, orphans: np.ndarray,
+                        first_row: int) -> None:
+        for row in np.flatnonzero(orphans.any(axis=1)).tolist():
+            experts = sorted(set(ids[row][orphans[row]].tolist()))
+            self._failed.setdefault(first_row + row, (
+                f"experts {experts} of MoE layer {layer_id} have no live expert server"))
+
+    def note_orphans(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        """Record every row of ``topk_ids`` (the whole batch, not only this rank's share) that
+        needs an expert no live server holds (a host read, only when there is such an expert)."""
+        if self.view.table.missing.get(layer_id):
+            ids = topk_ids.cpu().numpy()
+            self._record_orphans(layer_id, ids, self.view.table.assign(layer_id, ids) == NO_HOLDER,
+                                 0)
+
+    def _forward_device(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, row_offset: int) -> torch.Tensor:
+        """The device exchange; a failed server is dropped and the layer run again without it
+        (eager mode: the check reads the status after the layer)."""
+        while True:
+            if self.view.table.missing.get(layer_id):
+                ids = topk_ids.cpu().numpy()
+                orphans = self.view.table.assign(layer_id, ids) == NO_HOLDER
+                self._record_orphans(layer_id, ids, orphans, row_offset)
+            try:
+                return self._device_step.forward(layer_id, hidden, topk_ids, topk_weights)
+            except DeviceFailure as failure:
+                if failure.unanswered != set(failure.servers):
+                    raise  # answered wrongly: a bug to see, not to route around
+                for address, why in failure.servers.items():
+                    conn = self.view.connections.get(address)
+                    if conn is not None:
+                        self._lose(conn, why, report=True)
+                if self._device_step is None:  # no server left on the device path
+                    return self._forward_host(layer_id, hidden, topk_ids, topk_weights,
+                                              row_offset)
 
     def close(self) -> None:
-        for conn in self.connections:
-            conn.close()
-        self.connections = []
+        self.tier.close()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from ibgda import RegionHandle, TransportError, create_transport
 from sglang_eaas import envs, transports
 from sglang_eaas.checkpoint import ModelIdentity
-from sglang_eaas.protocol.control import ControlChannel, JoinReply
+from sglang_eaas.protocol.control import JoinReply
+from sglang_eaas.protocol.lines import Channel
 from sglang_eaas.protocol.slot import ClientSlot, dtype_name
 
 LEAVE_TIMEOUT = 2.0  # seconds a closing client waits for the server to take its slot back
@@ -16,18 +17,24 @@ class ServerConnection:
 
     def __init__(self, address: str, client_name: str, model: ModelIdentity, dtype: str,
                  token: str | None = None, transport: str = transports.AUTO,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, incarnation: str = "", client_incarnation: str = ""):
         """Join in two steps: ``join`` reserves a slot, ``ready`` (sent once the region is
-        mapped here) makes the server poll it; a failure in between frees the slot."""
-        self.address = address
+        mapped here) makes the server poll it; a failure in between frees the slot.
+
+        ``incarnation``: the server's, as the monitor knows it ("" for a server the monitor
+        does not know); ``client_incarnation``: this client's, so the server takes the slot
+        back when the monitor loses this client."""
+        self.address, self.incarnation = address, incarnation
+        self.lost_why: str | None = None  # set when this server is known lost: stop waiting
         self.slot = self.region = None
-        self._channel = ControlChannel(address, envs.TOKEN.get() if token is None else token,
+        self.device_channel = None  # client.device_step.DeviceChannel, made on first use
+        self._channel = Channel(address, envs.TOKEN.get() if token is None else token,
                                        timeout)
         try:
             reply = JoinReply.from_message(self._channel.call(
                 "join", client=client_name, fingerprint=model.fingerprint,
                 dtype=dtype_name(dtype), transport=transport,
-                expert_digests=list(model.expert_digests)))
+                expert_digests=list(model.expert_digests), incarnation=client_incarnation))
             self.layout = reply.layout
             self.experts: list[int] = reply.experts  # held in at least one layer
             self.layer_experts: dict[int, list[int]] = reply.layer_experts

@@ -55,6 +55,16 @@ def _kernels():
     return device_header
 
 
+class DeviceFailure(TransportError):
+    """Exchanges that failed since the last check; ``servers``: address -> what went wrong,
+    ``unanswered``: the servers among them that did not answer at all (the others answered
+    wrongly: a rejection, a corrupt or foreign answer)."""
+
+    def __init__(self, servers: dict[str, str], unanswered: set[str]):
+        super().__init__("; ".join(servers.values()))
+        self.servers, self.unanswered = servers, unanswered
+
+
 def drives_devices(conn: ServerConnection) -> bool:
     """Whether ``conn``'s region is reached by kernels that can wait without the host."""
     return hasattr(conn.region, "launch_wait_flag")
@@ -133,7 +143,11 @@ class DeviceStep:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         crc = _kernels().crc32_table(device)
         by_id = {c.address: c for c in connections}
-        self.channels = [DeviceChannel(by_id[server], crc, timeout) for server in table.servers]
+        for conn in connections:  # a connection keeps its channel: the device seq lives there
+            if conn.device_channel is None:
+                conn.device_channel = DeviceChannel(conn, crc, timeout)
+        self.servers = table.servers
+        self.channels = [by_id[server].device_channel for server in table.servers]
         self.routing = DeviceRoutingTable(table, device)
         self.max_tokens = min(ch.layout.max_tokens for ch in self.channels)
         _STEPS.add(self)
@@ -162,16 +176,18 @@ class DeviceStep:
         self.routing.load(table)
 
     def check(self) -> None:
-        """Raise ``TransportError`` naming every server whose exchange failed since the last
+        """Raise ``DeviceFailure`` naming every server whose exchange failed since the last
         check, and clear those statuses (one host read for all channels)."""
         statuses = torch.stack([channel.status for channel in self.channels]).tolist()
-        failures = []
+        failures, unanswered = {}, set()
         for channel, (_, _, code, reason) in zip(self.channels, statuses):
             if code != 0:
                 channel.status.zero_()
-                failures.append(channel.failure(code, reason))
+                failures[channel.address] = channel.failure(code, reason)
+                if code == _kernels().DeviceCheck.NO_ANSWER:
+                    unanswered.add(channel.address)
         if failures:
-            raise TransportError("; ".join(failures))
+            raise DeviceFailure(failures, unanswered)
 
     def forward(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:

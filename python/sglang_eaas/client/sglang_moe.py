@@ -40,12 +40,19 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
         _client = EaasClient(list(cfg.expert_servers.addresses), info,
                              ModelIdentity.of(server_args.model_path, info), dtype, name,
                              expected_experts=expected, transport=cfg.transport,
-                             poll_spin=cfg.poll_spin_us * 1e-6)
+                             poll_spin=cfg.poll_spin_us * 1e-6, monitor=cfg.monitor,
+                             heartbeat=cfg.heartbeat, result_timeout=cfg.result_timeout)
         atexit.register(_client.close)
-        logger.info("sglang-eaas: %s joined expert servers %s over %s%s", name,
-                    ", ".join(cfg.expert_servers.addresses),
+        logger.info("sglang-eaas: %s joined expert servers %s over %s%s (monitor %s, routing "
+                    "table epoch %d)", name, ", ".join(c.address for c in _client.connections),
                     ", ".join(sorted({c.region.handle.backend for c in _client.connections})),
-                    "; the exchange runs on the device" if _client.device_step else "")
+                    "; the exchange runs on the device" if _client.device_step else "",
+                    cfg.monitor, _client.table.epoch)
+    return _client
+
+
+def current_client() -> EaasClient | None:
+    """This process's client, if it has joined (``--eaas`` and a model with MoE layers)."""
     return _client
 
 
@@ -84,9 +91,10 @@ def forward(fused_moe_forward: Callable, layer: torch.nn.Module, hidden_states: 
         return client.forward(layer.layer_id, hidden_states, ids, weights)
     share = slice(tokens * rank // ranks, tokens * (rank + 1) // ranks)
     out = torch.zeros_like(hidden_states)
+    client.note_orphans(layer.layer_id, ids)  # every rank names every row that cannot be done
     if share.stop > share.start:
         out[share] = client.forward(layer.layer_id, hidden_states[share], ids[share],
-                                    weights[share])
+                                    weights[share], row_offset=share.start)
     if layer.reduce_results:
         from sglang.srt.distributed import tensor_model_parallel_all_reduce
 

@@ -6,10 +6,13 @@ import argparse
 import logging
 import signal
 import sys
+import time
 
+from ibgda import TransportError
 from sglang_eaas import envs, transports
 from sglang_eaas.addresses import AddressError, parse_address
 from sglang_eaas.model_info import ModelError, MoeModelInfo
+from sglang_eaas.monitor import HEARTBEAT, parse_monitor
 from sglang_eaas.placement import PlacementError, parse_expert_list
 from sglang_eaas.protocol.slot import POLL_SPIN_US
 
@@ -24,8 +27,8 @@ def parse_args(argv: list[str] | None = None):
         "of a checkpoint (the same in every layer, or per layer) and serves attention clients "
         "(SGLang with --eaas) over one-sided slots.",
     )
-    p.add_argument("--model-path", required=True, help="HF checkpoint folder (config.json + "
-                   "safetensors); only this server's experts are read from it")
+    p.add_argument("--model-path", help="HF checkpoint folder (config.json + safetensors); "
+                   "only this server's experts are read from it; required unless --drain")
     p.add_argument("--experts", metavar="SPEC",
                    help="global expert ids to hold in every MoE layer: '0-3,6' or 'all' (layers "
                    "named by --layer-experts excepted)")
@@ -66,13 +69,51 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (the server's whole CPU budget); default "
                    "%(default)s")
+    p.add_argument("--monitor", default="", metavar="ADDR",
+                   help="register with this monitor, so that clients find this server, start "
+                   "sending to it at their next step and fail over when it is lost: an SGLang "
+                   "launcher's embedded monitor or a standalone one (HOST:PORT; python -m "
+                   "sglang_eaas.monitor), or etcd://HOST:PORT; default: none (clients must be "
+                   "given this server's address)")
+    p.add_argument("--heartbeat", type=float, default=HEARTBEAT, metavar="SECONDS",
+                   help="seconds between heartbeats to --monitor (at most half its loss "
+                   "timeout); default %(default)s")
+    p.add_argument("--drain", metavar="HOST:PORT",
+                   help="instead of serving: make the running expert server at HOST:PORT leave "
+                   "gracefully (its clients stop sending to it at their next step, in-flight "
+                   "work finishes, then it exits) and wait until it has exited; it needs a "
+                   "--monitor. Refused where it is the last live holder of an expert, unless "
+                   "--force")
+    p.add_argument("--force", action="store_true",
+                   help="with --drain: drain even the last live holder of an expert (requests "
+                   "that need it then fail)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="with --drain: exit after this long even if clients still use the "
+                   "server; default %(default)s")
     p.add_argument("--log-level", default="info", help="logging level; default %(default)s")
     args = p.parse_args(argv)
+    token = envs.TOKEN.get() if args.token is None else args.token
+    if args.drain is not None:
+        try:
+            parse_address(args.drain)
+        except AddressError as exc:
+            p.error(f"--drain: {exc}")
+        if not token:
+            p.error(f"--drain needs the shared token: pass --token or set {envs.TOKEN.name}")
+        return args, token
+    if args.model_path is None:
+        p.error("--model-path is required (unless --drain)")
+    if args.monitor:
+        try:
+            parse_monitor(args.monitor, embedded_ok=False)
+        except ValueError as exc:
+            p.error(f"--monitor: {exc}")
+    if not args.heartbeat > 0:
+        p.error("--heartbeat must be > 0")
     try:
         host, port = parse_address(args.listen, allow_port_zero=True)
     except AddressError as exc:
         p.error(f"--listen: {exc}")
-    token = envs.TOKEN.get() if args.token is None else args.token
     if not token:
         p.error(f"an expert server needs a shared token: pass --token or set {envs.TOKEN.name}")
     for flag in ("max_clients", "max_tokens", "min_batch_tokens", "threads"):
@@ -100,7 +141,7 @@ def parse_args(argv: list[str] | None = None):
         dtype=args.dtype, transport=args.transport, max_clients=args.max_clients,
         max_tokens=args.max_tokens, min_batch_tokens=args.min_batch_tokens,
         max_wait_us=args.max_wait_us, poll_spin_us=args.poll_spin_us, threads=args.threads,
-        layer_experts=layer_experts,
+        layer_experts=layer_experts, monitor=args.monitor, heartbeat=args.heartbeat,
     )
 
 
@@ -122,8 +163,37 @@ def _layer_experts(specs: list[str], info: MoeModelInfo) -> dict[int, tuple[int,
     return out
 
 
+def drain(address: str, token: str, force: bool, timeout: float) -> int:
+    """``--drain``: ask the server at ``address`` to leave, then wait until it has exited."""
+    from sglang_eaas.protocol.control import Drain
+    from sglang_eaas.protocol.lines import Channel
+
+    try:
+        channel = Channel(address, token)
+        clients = channel.call(Drain.op, force=force, timeout=timeout)["clients"]
+    except TransportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"expert server {address} is draining ({clients} clients joined)", flush=True)
+    deadline = time.monotonic() + timeout + 30
+    try:
+        while time.monotonic() < deadline:  # its connections close when it exits
+            channel.call("stats")
+            time.sleep(0.2)
+        print(f"error: expert server {address} is still up after {timeout + 30:.0f}s",
+              file=sys.stderr)
+        return 1
+    except TransportError:
+        print(f"expert server {address} has left", flush=True)
+        return 0
+    finally:
+        channel.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(argv)
+    if args.drain is not None:
+        return drain(args.drain, config, args.force, args.drain_timeout)  # config: the token
     logging.basicConfig(level=args.log_level.upper(),
                         format="[%(asctime)s expert-server] %(message)s")
     from sglang_eaas.expert_server.server import ExpertServer
@@ -131,12 +201,19 @@ def main(argv: list[str] | None = None) -> int:
     server = ExpertServer(config)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
+    try:
+        server.start()
+    except TransportError as exc:
+        server.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     held = (f"experts {list(config.experts)}" if not config.layer_experts else
             f"experts per MoE layer {server.holdings}")
     print(f"sglang-eaas expert server ready on {server.address}: {held} of "
           f"{server.info.num_experts}, "
           f"{len(server.info.moe_layers)} MoE layers, "
-          f"{server.weight_bytes() / 2**20:.1f} MiB of weights", flush=True)
+          f"{server.weight_bytes() / 2**20:.1f} MiB of weights"
+          + (f", registered with {config.monitor}" if config.monitor else ""), flush=True)
     try:
         server.serve_forever()
     finally:

@@ -6,6 +6,7 @@ import collections
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,13 +16,14 @@ import torch
 
 from sglang_eaas import transports
 from sglang_eaas.expert_server.compute import local_experts, weighted_expert_sum
-from sglang_eaas.expert_server.control import ControlServer
+from sglang_eaas.expert_server.control import control_endpoint
 from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RegionLayout, SlotLayout, SlotState
 from sglang_eaas.protocol.header import HeaderError, RejectReason, RequestHeader
-from sglang_eaas.protocol.control import ControlError, JoinReply, JoinRequest, shown
+from sglang_eaas.protocol.control import Drain, JoinReply, JoinRequest
+from sglang_eaas.protocol.lines import ControlError, shown
 from sglang_eaas.protocol.slot import (
     DTYPE_CODES, DTYPES_BY_NAME, POLL_SPIN_US, ServerSlot, dtype_name,
 )
@@ -45,6 +47,8 @@ class ExpertServerConfig:
     poll_spin_us: int = POLL_SPIN_US  # busy-poll this long after the last request, then sleep
     threads: int = 1
     layer_experts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # per-layer override
+    monitor: str = ""  # HOST:PORT or etcd://HOST:PORT of the monitor to register with, or none
+    heartbeat: float = 0.3  # seconds between heartbeats to the monitor
 
     def holdings(self, moe_layers: tuple[int, ...]) -> dict[int, list[int]]:
         """Which experts this server holds in each MoE layer (possibly none in some)."""
@@ -84,14 +88,19 @@ class ExpertServer:
             self.region.store_flag(self.region_layout.base(index), SlotState.OFFLINE)
         self._lock = threading.Lock()
         self._active: dict[int, ServerSlot] = {}  # replaced, never mutated: the loop reads it
-        self._reserved: set[int] = set()  # joined, not yet ready
+        self._members: dict[int, Membership] = {}  # every reserved or active slot's holder
+        # When each slot was last given back: a free slot is reused least recently first, so
+        # the slot of a client that was lost (not closed: it may come back and write) is
+        # handed to another client as late as possible.
+        self._freed_at: dict[int, float] = {}
         # Each join's requests count in a range of their own (join number << 32), so an answer
         # still in flight for a slot's previous client can never pass for the new client's.
         self._joins = itertools.count(1)
         self.stats: collections.Counter[str] = collections.Counter()
-        self.control = ControlServer((config.host, config.port), config.token, self._join,
-                                     self._stats)
+        self.control = control_endpoint(self, config.host, config.port, config.token)
         self._stop = threading.Event()
+        self.tick = time.monotonic()  # the serving loop's last pass (``healthy``)
+        self.tier = None  # expert_server.tier.ServerTier once registered with a monitor
 
     @property
     def address(self) -> str:
@@ -101,7 +110,8 @@ class ExpertServer:
         return weight_bytes(self.layers)
 
     # -- control plane -------------------------------------------------------------------
-    def _join(self, request: JoinRequest) -> tuple[JoinReply, "_Membership"]:
+    def join(self, request: JoinRequest, connection: Any = None
+             ) -> tuple[JoinReply, "Membership"]:
         """Reserve a slot for a client; it serves only once the client confirms (``ready``).
 
         Raises ``ControlError`` (counted by its reason) for a client of another model, other
@@ -131,32 +141,70 @@ class ExpertServer:
         if dtype is None:
             raise ControlError("bad_field", f"unsupported dtype {shown(request.dtype)} (expected "
                                f"one of {', '.join(DTYPES_BY_NAME)})")
+        if self.tier is not None and self.tier.draining:
+            raise ControlError("join_draining", f"expert server {self.address} is draining")
+        layout = SlotLayout(self.config.max_tokens, self.info.hidden_size, self.info.top_k,
+                            DTYPE_CODES[dtype])
         with self._lock:
-            free = [i for i in range(self.config.max_clients)
-                    if i not in self._active and i not in self._reserved]
+            free = [i for i in range(self.config.max_clients) if i not in self._members]
             if not free:
                 raise ControlError("join_full", (
                     f"expert server {self.address} has all {self.config.max_clients} client "
                     "slots taken; start it with a larger --max-clients"))
-            index = free[0]
-            self._reserved.add(index)
+            index = min(free, key=lambda i: self._freed_at.get(i, 0.0))
             first_seq = next(self._joins) << 32
-        layout = SlotLayout(self.config.max_tokens, self.info.hidden_size, self.info.top_k,
-                            DTYPE_CODES[dtype])
-        slot = ServerSlot(self.region, self.region_layout.base(index), layout)
+            slot = ServerSlot(self.region, self.region_layout.base(index), layout)
+            member = Membership(self, index, slot, request.client, first_seq, connection,
+                                request.incarnation)
+            self._members[index] = member  # reserved: not polled until 'ready'
         reply = JoinReply(slot=index, region=self.region.handle.to_dict(), base=slot.base,
                           bell=self.region_layout.bell, layout=layout,
                           experts=self.experts, layer_experts=self.holdings,
                           moe_layers=list(self.info.moe_layers), first_seq=first_seq)
-        return reply, _Membership(self, index, slot, request.client, first_seq)
+        return reply, member
 
-    def _stats(self) -> dict[str, Any]:
+    def layer_experts_message(self) -> dict[str, list[int]]:
+        return {str(layer): ids for layer, ids in self.holdings.items()}
+
+    def stats_message(self) -> dict[str, Any]:
         return {**self.stats, "weight_bytes": self.weight_bytes(),
                 "fingerprint": self.info.fingerprint(), "pid": os.getpid(),
                 "expert_digests": {str(e): d for e, d in self.digests.items()},
-                "experts": self.experts,
-                "layer_experts": {str(layer): ids for layer, ids in self.holdings.items()},
+                "experts": self.experts, "layer_experts": self.layer_experts_message(),
+                "clients": len(self._active), **self.control.counters(),
+                **({} if self.tier is None else self.tier.counters())}
+
+    def load(self) -> dict[str, int]:
+        """What the heartbeat tells the monitor (``status`` shows it)."""
+        return {"requests": self.stats["requests"], "tokens": self.stats["tokens"],
                 "clients": len(self._active)}
+
+    def healthy(self, stall: float = 5.0) -> bool:
+        """Whether the serving loop passed within ``stall`` seconds (it passes at least every
+        10 ms when idle; a long batch is the only other reason for a gap)."""
+        return time.monotonic() - self.tick < stall
+
+    def clients_lost(self, clients: set[tuple[str, str]]) -> None:
+        """The monitor lost these clients, ``(id, incarnation)`` (dead or hung): take their
+        slots back now, and close their control connections, without waiting for TCP."""
+        with self._lock:
+            lost = [m for m in self._members.values()
+                    if m.incarnation and (m.client, m.incarnation) in clients]
+        for member in lost:
+            logger.warning("client %s was lost: slot %d taken back", member.client, member.index)
+            self.stats["clients_lost"] += 1
+            member.release()
+            member.disconnect()
+
+    def drain(self, request: Drain) -> int:
+        """Leave the tier gracefully (``protocol/control.py``'s ``Drain``); the number of
+        clients still using the server."""
+        if self.tier is None:
+            raise ControlError("drain_needs_monitor", (
+                f"expert server {self.address} has no monitor, so its clients would not learn "
+                "that it leaves; start it with --monitor, or stop it"))
+        self.tier.drain(request.force, request.timeout)
+        return len(self._active)
 
     # -- data plane ----------------------------------------------------------------------
     def _collect(self, taken: set[int] = frozenset()) -> list[_Ready]:
@@ -249,13 +297,24 @@ class ExpertServer:
         self._run(batch)
         return len(batch)
 
+    def start(self) -> None:
+        """Open the control endpoint, then register with the monitor (if any), which asks
+        that endpoint whether this server holds what it registers."""
+        self.control.thread.start()
+        if self.config.monitor:
+            from sglang_eaas.expert_server.tier import ServerTier
+
+            self.tier = ServerTier(self).start()
+
     def serve_forever(self) -> None:
         """Serve until ``stop()``; between requests, sleep on the doorbell clients ring
         (after ``poll_spin_us`` of busy polling that yields the core between polls)."""
-        self.control.thread.start()
+        if not self.control.thread.is_alive():
+            self.start()
         bell, spin = self.region_layout.bell, self.config.poll_spin_us * 1e-6
         busy_until = 0.0
         while not self._stop.is_set():
+            self.tick = time.monotonic()
             seen = self.region.load_word(bell)
             if self.poll_once():
                 busy_until = time.perf_counter() + spin
@@ -267,9 +326,9 @@ class ExpertServer:
         self._stop.set()
 
     def close(self) -> None:
-        if self.control.thread.is_alive():
-            self.control.shutdown()
-        self.control.server_close()
+        if self.tier is not None:
+            self.tier.close()
+        self.control.close()
         self.region.close()
 
 
@@ -277,7 +336,7 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
-class _Membership:
+class Membership:
     """A client's hold on one slot: reserved at join, serving after ``ready``, freed on release.
 
     Only a confirmed client's slot is polled, and whatever step fails, ``release`` returns the
@@ -285,32 +344,47 @@ class _Membership:
     """
 
     def __init__(self, server: ExpertServer, index: int, slot: ServerSlot, client: str,
-                 first_seq: int):
+                 first_seq: int, connection: Any = None, incarnation: str = ""):
         self.server, self.index, self.slot, self.client = server, index, slot, client
-        self.first_seq = first_seq
-        self.active = False
+        self.first_seq, self.connection, self.incarnation = first_seq, connection, incarnation
+        self.active = self.released = False
 
     def activate(self) -> None:
         server = self.server
         with server._lock:
+            if self.released:
+                raise ControlError("out_of_order", "this slot was taken back before 'ready'")
             # The client has had the slot mapped since its join, and a misbehaving one may have
             # written the flag before 'ready'; the slot goes OFFLINE first, or it would refuse
             # every later client it is offered to.
             self.slot.reclaim()
             self.slot.open(self.first_seq)
-            server._reserved.discard(self.index)
             server._active = {**server._active, self.index: self.slot}
             server.stats["clients_joined"] += 1
             self.active = True
         logger.info("client %s joined slot %d", self.client, self.index)
 
     def release(self) -> None:
+        """Give the slot back (idempotent)."""
         server = self.server
         with server._lock:
-            server._reserved.discard(self.index)
+            if self.released:
+                return
+            self.released = True
+            if server._members.get(self.index) is self:
+                del server._members[self.index]
+                server._freed_at[self.index] = time.monotonic()
             if self.active:
                 server._active = {k: v for k, v in server._active.items() if k != self.index}
                 self.slot.reclaim()
                 server.stats["clients_left"] += 1
         if self.active:
             logger.info("client %s left slot %d", self.client, self.index)
+
+    def disconnect(self) -> None:
+        """Close the client's control connection (its session then ends)."""
+        if self.connection is not None:
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass

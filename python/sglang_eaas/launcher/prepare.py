@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,6 +24,8 @@ from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.config import EaasConfig, LocalServers, RemoteServers
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.monitor import EMBEDDED, connect
+from sglang_eaas.protocol.monitor import SERVING
 from sglang_eaas.protocol import control
 from sglang_eaas.protocol.slot import DTYPE_NAMES
 from sglang_eaas.placement import (
@@ -54,10 +57,13 @@ def sglang_dtype(model_path: str, dtype: str) -> str:
 
 def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
                            num_ranks: int) -> EaasConfig:
-    """Start local servers or check remote ones; returns the config workers should use."""
+    """Start the monitor and local servers or check remote ones; returns the config workers
+    should use (the monitor's URL, the servers' addresses)."""
     info = MoeModelInfo.from_model_path(model_path)
     planned = load_placement_file(cfg.placement) if cfg.placement else None
     servers = cfg.expert_servers
+    if cfg.monitor.kind != EMBEDDED and servers is None and planned is None:
+        return registered_servers(dataclasses.replace(cfg, monitor=cfg.monitor.url), info)
     if planned and all(name.startswith("local:") for name in planned):
         if isinstance(servers, LocalServers) and servers.count != len(planned):
             raise PlacementError(f"--eaas-expert-servers local:{servers.count} but "
@@ -77,15 +83,18 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
         RoutingTable.build(0, {f"local:{i}": layer_holdings(p, info.moe_layers)
                                for i, p in enumerate(placements)},
                            list(info.moe_layers), info.num_experts)
-        if not envs.TOKEN.get():  # inherited by the local servers and SGLang's workers
+        if not envs.TOKEN.get():  # inherited by the monitor, local servers and workers
             os.environ[envs.TOKEN.name] = secrets.token_hex(16)
+        cfg = dataclasses.replace(cfg, monitor=start_monitor(cfg))
         logger.info("sglang-eaas: starting %d local expert servers: %s", len(placements),
                     placements)
         backend = "shm" if cfg.transport == transports.AUTO else cfg.transport
         local = start_local_servers(model_path, placements, sglang_dtype(model_path, dtype),
                                     max(8, num_ranks),
-                                    extra_args=("--transport", backend))
+                                    extra_args=("--transport", backend, "--monitor", cfg.monitor,
+                                                "--heartbeat", str(cfg.heartbeat)))
         atexit.register(lambda: [s.stop() for s in local])
+        wait_registered(cfg.monitor, [s.address for s in local])
         return dataclasses.replace(cfg, expert_servers=RemoteServers(
             tuple(s.address for s in local)), placement=None, transport=backend)
     if not envs.TOKEN.get():
@@ -107,7 +116,87 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
             raise PlacementError(f"expert server {address} holds experts {held[address]} (per "
                                  f"MoE layer), {cfg.placement} says {planned[address]}")
     RoutingTable.build(0, held, list(info.moe_layers), info.num_experts)
-    return dataclasses.replace(cfg, expert_servers=servers)
+    return dataclasses.replace(cfg, expert_servers=servers, monitor=start_monitor(cfg))
+
+
+def start_monitor(cfg: EaasConfig) -> str:
+    """The monitor's URL for workers and servers; an embedded one is started here, in the
+    launcher process, and lives as long as it does."""
+    spec = cfg.monitor
+    if spec.kind != EMBEDDED:
+        if not envs.TOKEN.get():
+            raise TransportError(f"the monitor {spec} needs the shared token: set "
+                                 f"{envs.TOKEN.name} or pass --eaas-token")
+        return spec.url
+    from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
+
+    host, port = spec.address.rsplit(":", 1)
+    try:
+        monitor = MonitorServer(MonitorConfig(host, int(port), envs.TOKEN.get(),
+                                              cfg.loss_timeout)).start()
+    except OSError as exc:
+        raise TransportError(f"cannot start the embedded monitor on {spec.address}: "
+                             f"{exc.strerror or exc}") from None
+    atexit.register(monitor.close)
+    logger.info("sglang-eaas: embedded monitor on %s (loss timeout %ss)", monitor.address,
+                cfg.loss_timeout)
+    return monitor.address
+
+
+def wait_registered(monitor: str, addresses: list[str], timeout: float = 60.0) -> None:
+    """Wait until the servers this launcher started are registered with the monitor, so a
+    worker's first view already knows their incarnations."""
+    backend = connect(monitor, envs.TOKEN.get())
+    deadline, revision = time.monotonic() + timeout, -1
+    try:
+        while True:
+            snapshot = backend.watch(revision, 1.0)
+            revision = snapshot.revision
+            waiting = set(addresses) - {m.id for m in snapshot.servers()}
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise TransportError(f"local expert servers {sorted(waiting)} did not register "
+                                     f"with the monitor {monitor} within {timeout:.0f}s; see "
+                                     "their output above")
+    finally:
+        backend.close()
+
+
+def registered_servers(cfg: EaasConfig, info: MoeModelInfo) -> EaasConfig:
+    """A shared monitor and no servers given: serve with those registered there, once every
+    expert of every MoE layer has a live holder (``PlacementError`` after
+    ``cfg.wait_for_servers`` seconds, naming what is still missing)."""
+    if not envs.TOKEN.get():
+        raise TransportError(f"a shared monitor needs the shared token: set {envs.TOKEN.name} "
+                             "or pass --eaas-token")
+    backend = connect(cfg.monitor, envs.TOKEN.get())
+    deadline, last, revision = time.monotonic() + cfg.wait_for_servers, "", -1
+    fingerprint = info.fingerprint()
+    try:
+        while True:
+            snapshot = backend.watch(revision, 5.0)
+            revision = snapshot.revision
+            servers = [m for m in snapshot.servers(fingerprint) if m.status == SERVING]
+            table = RoutingTable.build(0, {m.id: m.holdings() for m in servers},
+                                       list(info.moe_layers), info.num_experts,
+                                       allow_missing=True)
+            if not table.missing:
+                logger.info("sglang-eaas: serving with the %d expert servers registered at %s",
+                            len(servers), cfg.monitor)
+                return dataclasses.replace(cfg, expert_servers=RemoteServers(()))
+            missing = "; ".join(f"experts {e} of MoE layer {layer}"
+                                for layer, e in table.missing.items())
+            if time.monotonic() > deadline:
+                raise PlacementError(f"after {cfg.wait_for_servers:.0f}s, the monitor "
+                                     f"{cfg.monitor} still has no live expert server of this "
+                                     f"model for {missing} (--eaas-wait-for-servers)")
+            if missing != last:
+                logger.warning("sglang-eaas: waiting for expert servers at %s: no live holder "
+                               "yet for %s", cfg.monitor, missing)
+                last = missing
+    finally:
+        backend.close()
 
 
 def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **kwargs):

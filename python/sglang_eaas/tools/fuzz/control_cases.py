@@ -14,7 +14,7 @@ import json
 import random
 from dataclasses import dataclass
 
-from sglang_eaas.protocol.control import AUTH_PREFIX, MAX_AUTH_LINE, MAX_LINE
+from sglang_eaas.protocol.lines import AUTH_PREFIX, MAX_AUTH_LINE, MAX_LINE
 
 OK = "ok"  # a line the server accepts
 JOIN_FIELDS = ("client", "fingerprint", "dtype", "transport", "expert_digests")

@@ -1,8 +1,9 @@
 """Sends ``control_cases`` to a live control endpoint over TCP and checks every reply.
 
-A refusal must be one JSON object ``{"ok": false, "error": <one sentence>}`` of at most
-``MAX_REFUSAL`` bytes (an error that echoed what it refuses without bound would be as long as
-the bad input, and a client reading at most ``MAX_LINE`` could not even parse it).
+A refusal must be one JSON object ``{"ok": false, "error": <one sentence>, "reason": <the
+counter it is counted under, the one the case expects>}`` of at most ``MAX_REFUSAL`` bytes (an
+error that echoed what it refuses without bound would be as long as the bad input, and a client
+reading at most ``MAX_LINE`` could not even parse it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sglang_eaas.protocol.control import MAX_LINE
+from sglang_eaas.protocol.lines import MAX_LINE
 from sglang_eaas.tools.fuzz.control_cases import (
     OK, ControlCase, ControlCaseMaker, ControlTarget,
 )
@@ -67,6 +68,8 @@ def _check_reply(raw: bytes, expected: str) -> str | None:
         error = reply.get("error")
         if not isinstance(error, str) or not error or len(raw) > MAX_REFUSAL:
             return f"refusal ({expected}) of {len(raw)} bytes: {raw[:200]!r}"
+        if reply.get("reason") != expected:
+            return f"refusal for {reply.get('reason')!r}, expected {expected!r}: {raw[:200]!r}"
     return None
 
 

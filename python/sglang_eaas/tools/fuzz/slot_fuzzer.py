@@ -21,7 +21,8 @@ import numpy as np
 
 from ibgda import RegionHandle, TransportError, create_transport
 from sglang_eaas.checkpoint import ModelIdentity
-from sglang_eaas.protocol.control import ControlChannel, JoinReply
+from sglang_eaas.protocol.control import JoinReply
+from sglang_eaas.protocol.lines import Channel
 from sglang_eaas.protocol.header import HEADER_BYTES
 from sglang_eaas.tools.fuzz.slot_cases import (
     CLIENT_WRITE_DONE, DTYPE_BYTES, Answer, CaseMaker, SlotCase, SlotModel, SlotShape,
@@ -68,7 +69,7 @@ class FuzzSlotClient:
     def join(self, flag_before_ready: int | None = None) -> None:
         """Join in two steps; ``flag_before_ready``: a value stored into the reserved slot's
         flag before ``ready`` (what a misbehaving client may do)."""
-        self.channel = ControlChannel(self.address, self.token)
+        self.channel = Channel(self.address, self.token)
         try:
             reply = JoinReply.from_message(self.channel.call(
                 "join", client=self.name, fingerprint=self.identity.fingerprint,

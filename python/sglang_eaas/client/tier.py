@@ -1,0 +1,348 @@
+"""``ClientTier``: one attention rank's live view of the expert tier.
+
+It owns the rank's connections (one per expert server, by stable server id) and turns every
+change of the tier into a new ``View`` (a routing table with the next epoch, and the connections
+of its servers), which the data path (``EaasClient``) adopts between steps:
+
+* the monitor says a server registered: join it (here, never on the data path), next view;
+* the monitor says a server was lost, left, re-registered as a new incarnation or is draining:
+  drop it, next view; a wait on it stops at once (``ServerConnection.lost_why``);
+* the data path saw a server fail (no answer within the result timeout, a broken connection):
+  ``lose`` drops it at once and reports it to the monitor, which evicts it (it is used again
+  only once it has registered again);
+* the monitor lost *this* client (``evicted``): its servers took its slots back, so the data
+  path calls ``recover`` to join them all again.
+
+A dropped connection is closed only once the data path has adopted a view without it, so no
+step ever uses a closed connection. Servers given at launch that the monitor does not know are
+kept until they fail, then joined again when they answer (every ``RETRY`` seconds).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from ibgda import TransportError
+from sglang_eaas import transports
+from sglang_eaas.checkpoint import ModelIdentity
+from sglang_eaas.client.connection import ServerConnection
+from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.monitor import HEARTBEAT, connect
+from sglang_eaas.monitor.presence import Presence
+from sglang_eaas.placement import PlacedExperts, PlacementError, layer_holdings
+from sglang_eaas.protocol.monitor import CLIENT, SERVING, Member, Snapshot
+from sglang_eaas.protocol.slot import DTYPE_NAMES
+from sglang_eaas.routing_table import RoutingTable
+
+logger = logging.getLogger(__name__)
+RETRY = 2.0  # seconds between attempts to join a server that failed to join
+WATCH = 5.0  # seconds one monitor watch call waits for a change
+
+
+@dataclass(frozen=True)
+class View:
+    """What a step uses: a routing table and the connection of each of its servers."""
+
+    table: RoutingTable
+    connections: Mapping[str, ServerConnection]
+
+    @property
+    def epoch(self) -> int:
+        return self.table.epoch
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    addresses: tuple[str, ...] = ()  # servers given at launch: each must answer at start
+    monitor: str = ""  # the monitor's URL (HOST:PORT, etcd://HOST:PORT), "" for none
+    heartbeat: float = HEARTBEAT
+    result_timeout: float = 2.0  # seconds a server may take to answer before it is dropped
+    transport: str = transports.AUTO
+    expected: Mapping[str, PlacedExperts] | None = None  # a placement file's entries
+    wait_for_experts: float = 30.0  # seconds to wait at start until every expert has a holder
+    token: str | None = field(default=None, repr=False)
+
+
+class ClientTier:
+    def __init__(self, settings: TierSettings, info: MoeModelInfo, model: ModelIdentity,
+                 dtype: torch.dtype, client_id: str):
+        self.settings, self.info, self.model = settings, info, model
+        self.dtype, self.client_id = DTYPE_NAMES[dtype], client_id
+        self._lock = threading.RLock()
+        self._conns: dict[str, ServerConnection] = {}  # every live connection, by server id
+        self._retired: list[tuple[int, ServerConnection]] = []  # closed once adopted past
+        self._failed_joins: dict[tuple[str, str], float] = {}  # (id, incarnation) -> retry at
+        self._static = set(settings.addresses)
+        self._epoch = -1  # the first view is epoch 0
+        self.adopted_epoch = 0  # the data path's current view (it sets this)
+        self.evicted = False
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.on_view: Callable[[View], None] = lambda view: None  # the data path's stage()
+        self.backend = self.presence = None
+        self._revision = -1
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="eaas-client-tier",
+                                         daemon=True)
+
+    # -- start -----------------------------------------------------------------------------
+    def start(self) -> View:
+        """Register with the monitor, join every server, wait until every expert has a holder
+        (``PlacementError`` after ``wait_for_experts``), then follow the tier."""
+        s = self.settings
+        try:
+            snapshot = None
+            if s.monitor:
+                self.backend = connect(s.monitor, self._token())
+                member = Member(CLIENT, self.client_id, socket.gethostname(), os.getpid())
+                self.presence = Presence(connect(s.monitor, self._token()), member,
+                                         s.heartbeat, on_lost=self._on_evicted).start()
+                snapshot = self.backend.watch(-1, 0.0)
+            for address in s.addresses:  # each must answer now, as at any launch
+                known = snapshot and {m.id: m for m in snapshot.servers()}.get(address)
+                self._conns[address] = self._join(address, known.incarnation if known else "")
+            self._check_expected()
+            view = self._apply(snapshot) if snapshot else self._build()
+            view = self._wait_for_experts(view)
+        except BaseException:
+            self.close()
+            raise
+        self._watcher.start()
+        return view
+
+    def _token(self) -> str:
+        from sglang_eaas import envs
+
+        return envs.TOKEN.get() if self.settings.token is None else self.settings.token
+
+    def _join(self, address: str, incarnation: str) -> ServerConnection:
+        return ServerConnection(address, self.client_id, self.model, self.dtype,
+                                token=self._token(), transport=self.settings.transport,
+                                incarnation=incarnation,
+                                client_incarnation=self.presence.incarnation
+                                if self.presence else "")
+
+    def _check_expected(self) -> None:
+        expected = self.settings.expected
+        for address, conn in self._conns.items():
+            planned = (None if expected is None or address not in expected else
+                       layer_holdings(expected[address], self.info.moe_layers))
+            if planned is not None and conn.layer_experts != planned:
+                raise PlacementError(
+                    f"expert server {address} holds experts {conn.layer_experts} (per MoE "
+                    f"layer), the placement file says {planned}")
+
+    def _wait_for_experts(self, view: View) -> View:
+        deadline = time.monotonic() + self.settings.wait_for_experts
+        while view.table.missing:
+            if self.backend is None or time.monotonic() > deadline:
+                raise PlacementError(f"{_missing(view.table)} (waited "
+                                     f"{self.settings.wait_for_experts:.0f}s)")
+            logger.info("sglang-eaas: waiting for expert servers: %s", _missing(view.table))
+            snapshot = self.backend.watch(self._revision, min(WATCH, max(
+                0.1, deadline - time.monotonic())))
+            view = self._apply(snapshot)
+        return view
+
+    # -- views -----------------------------------------------------------------------------
+    def _build(self) -> View:
+        """The next view of the live connections (under the lock)."""
+        with self._lock:
+            self._epoch += 1
+            conns = dict(self._conns)
+            table = RoutingTable.build(self._epoch, {s: c.layer_experts for s, c in conns.items()},
+                                       list(self.info.moe_layers), self.info.num_experts,
+                                       allow_missing=True)
+            return View(table, conns)
+
+    def live_connections(self) -> dict[str, ServerConnection]:
+        with self._lock:
+            return dict(self._conns)
+
+    def _apply(self, snapshot: Snapshot) -> View:
+        """Follow the monitor: drop what left, join what came; the next view."""
+        self._revision = snapshot.revision
+        servers = {m.id: m for m in snapshot.servers(self.model.fingerprint)}
+        why_gone = {d.id: d.why for d in snapshot.departures}
+        with self._lock:
+            for sid, conn in list(self._conns.items()):
+                m = servers.get(sid)
+                if m is None and sid in self._static and not conn.incarnation:
+                    continue  # a server given at launch that the monitor does not know
+                if m is not None and m.incarnation == conn.incarnation and m.status == SERVING:
+                    continue
+                why = ("draining" if m is not None and m.status != SERVING else
+                       "registered again as a new incarnation" if m is not None else
+                       why_gone.get(sid, "gone from the monitor"))
+                self._drop(conn, why, lost=why != "draining")
+        for sid, m in servers.items():
+            if m.status != SERVING or sid in self._conns:
+                continue
+            if time.monotonic() < self._failed_joins.get((sid, m.incarnation), 0.0):
+                continue
+            try:
+                conn = self._join(sid, m.incarnation)
+            except TransportError as exc:
+                logger.warning("sglang-eaas: cannot join expert server %s: %s", sid, exc)
+                self._failed_joins[(sid, m.incarnation)] = time.monotonic() + RETRY
+                continue
+            with self._lock:
+                self._conns[sid] = conn
+            self.stats["joins"] += 1
+            logger.info("sglang-eaas: expert server %s joined the table (experts per MoE layer "
+                        "%s)", sid, conn.layer_experts)
+        return self._build()
+
+    def _drop(self, conn: ServerConnection, why: str, lost: bool) -> None:
+        """Under the lock: take ``conn`` out of the live set; it is closed once adopted past."""
+        if self._conns.get(conn.address) is not conn:
+            return
+        del self._conns[conn.address]
+        if lost and conn.lost_why is None:
+            conn.lost_why = why
+        self._retired.append((self._epoch + 1, conn))
+        self.stats["drops"] += 1
+        orphans = RoutingTable.build(0, {s: c.layer_experts for s, c in self._conns.items()},
+                                     list(self.info.moe_layers), self.info.num_experts,
+                                     allow_missing=True).missing
+        log = logger.info if why == "draining" else logger.warning
+        log("sglang-eaas: expert server %s leaves the table (%s); its experts go to their other "
+            "holders%s", conn.address, why,
+            f"; {_missing_of(orphans)}" if orphans else "")
+
+    def lose(self, conn: ServerConnection, why: str, report: bool) -> View:
+        """The data path saw ``conn`` fail: drop it now and return the view without it;
+        ``report`` tells the monitor (a timeout the monitor may not have noticed)."""
+        with self._lock:
+            self._drop(conn, why, lost=True)
+            view = self._build()
+        self.stats["failovers"] += 1
+        if report and self.backend is not None and conn.incarnation:
+            threading.Thread(target=self._report, args=(conn, why), daemon=True).start()
+        return view
+
+    def _report(self, conn: ServerConnection, why: str) -> None:
+        try:
+            reporter = connect(self.settings.monitor, self._token())
+            try:
+                reporter.report(conn.address, conn.incarnation, f"{self.client_id}: {why}")
+            finally:
+                reporter.close()
+        except TransportError as exc:
+            logger.warning("sglang-eaas: could not report %s to the monitor: %s",
+                           conn.address, exc)
+
+    def _on_evicted(self, why: str) -> None:
+        self.evicted = True
+
+    def recover(self) -> View:
+        """This client was lost by the monitor (a hang, say), so its servers took its slots
+        back: once it has registered again, join them all afresh."""
+        deadline = time.monotonic() + 10 * self.settings.heartbeat + 2
+        while self.presence is not None and self.presence.member is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(self.settings.heartbeat / 4)
+        self.evicted = False
+        with self._lock:
+            old = list(self._conns.values())
+            for conn in old:
+                self._drop(conn, "this client was lost by the monitor: joining again",
+                           lost=True)
+            for conn in old:
+                try:
+                    self._conns[conn.address] = self._join(conn.address, conn.incarnation)
+                except TransportError as exc:
+                    logger.warning("sglang-eaas: cannot join %s again: %s", conn.address, exc)
+            logger.warning("sglang-eaas: this client was lost by the monitor; joined %d expert "
+                           "servers again", len(self._conns))
+            return self._build()
+
+    # -- the watcher thread ----------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self._close_adopted()
+            busy = bool(self._retired)
+            if self.backend is None:
+                self._stop.wait(0.05 if busy else RETRY)
+                snapshot = None
+            else:
+                try:
+                    snapshot = self.backend.watch(self._revision, 0.05 if busy else WATCH)
+                except TransportError as exc:
+                    logger.warning("sglang-eaas: monitor watch failed: %s", exc)
+                    self._stop.wait(self.settings.heartbeat)
+                    continue
+            if self._stop.is_set():
+                break
+            try:
+                self._follow(snapshot)
+            except Exception:  # a bug here must not end the following
+                logger.exception("sglang-eaas: following the expert tier failed")
+
+    def _follow(self, snapshot: Snapshot | None) -> None:
+        changed = snapshot is not None and snapshot.revision != self._revision
+        view = self._apply(snapshot) if changed else None
+        rejoined = self._rejoin_static()
+        if rejoined or (view is None and changed):
+            view = self._build()
+        if view is not None:
+            self.on_view(view)
+
+    def _rejoin_static(self) -> bool:
+        """Join again the servers given at launch that the monitor does not know and that
+        failed, once they answer."""
+        with self._lock:
+            missing = [a for a in self._static if a not in self._conns]
+        joined = False
+        for address in missing:
+            if time.monotonic() < self._failed_joins.get((address, ""), 0.0):
+                continue
+            try:
+                conn = self._join(address, "")
+            except TransportError:
+                self._failed_joins[(address, "")] = time.monotonic() + RETRY
+                continue
+            with self._lock:
+                self._conns[address] = conn
+            joined = True
+            logger.info("sglang-eaas: expert server %s answers again; back in the table", address)
+        return joined
+
+    def _close_adopted(self) -> None:
+        with self._lock:
+            done = [c for epoch, c in self._retired if epoch <= self.adopted_epoch]
+            self._retired = [(e, c) for e, c in self._retired if e > self.adopted_epoch]
+        for conn in done:  # a hung server makes close() wait LEAVE_TIMEOUT: not on this thread
+            threading.Thread(target=conn.close, name="eaas-close", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watcher.is_alive():
+            self._watcher.join(timeout=WATCH + 1)
+        with self._lock:
+            conns = list(self._conns.values()) + [c for _, c in self._retired]
+            self._conns, self._retired = {}, []
+        for conn in conns:
+            conn.close()
+        if self.presence is not None:
+            self.presence.close()
+        if self.backend is not None:
+            self.backend.close()
+
+
+def _missing(table: RoutingTable) -> str:
+    return _missing_of(table.missing)
+
+
+def _missing_of(missing: Mapping[int, list[int]]) -> str:
+    return "; ".join(f"experts {experts} of MoE layer {layer} have no live expert server"
+                     for layer, experts in missing.items())

@@ -1,0 +1,55 @@
+"""What every monitor backend offers its members and watchers (``tcp.py``, ``etcd.py``).
+
+A *session* keeps one member registered (register, heartbeat, set_status, leave); ``watch``
+long-polls the tier's membership; ``report`` tells the monitor a server timed out, which evicts
+it (it must register again to be used again).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from ibgda import TransportError
+from sglang_eaas.protocol.monitor import Member, Snapshot
+
+
+class MemberLost(TransportError):
+    """The monitor no longer has this registration (lost, evicted, or left): register again."""
+
+
+class MemberSession(ABC):
+    @abstractmethod
+    def register(self, member: Member, heartbeat: float) -> Member:
+        """Register ``member``; it comes back with the incarnation the monitor gave it."""
+
+    @abstractmethod
+    def heartbeat(self, load: dict) -> None:
+        """Keep the registration alive; ``MemberLost`` if it is gone."""
+
+    @abstractmethod
+    def set_status(self, status: str) -> None: ...
+
+    @abstractmethod
+    def leave(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class MonitorBackend(ABC):
+    address: str  # as given: HOST:PORT or etcd://HOST:PORT
+
+    @abstractmethod
+    def session(self) -> MemberSession: ...
+
+    @abstractmethod
+    def watch(self, after: int, timeout: float) -> Snapshot:
+        """The membership as soon as its revision passes ``after`` (at once for -1), or after
+        ``timeout`` seconds."""
+
+    @abstractmethod
+    def report(self, server: str, incarnation: str, why: str) -> bool:
+        """Evict ``server`` (that incarnation) after a timeout; whether it was still there."""
+
+    def close(self) -> None:
+        pass

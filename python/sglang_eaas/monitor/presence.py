@@ -1,0 +1,110 @@
+"""``Presence``: keeps one member registered with the monitor while its process lives.
+
+A thread heartbeats every ``period`` seconds. When the monitor has lost or evicted the member
+(``MemberLost``), the member registers again as a new incarnation, and ``on_lost`` tells its
+owner (a client must join its servers afresh). A beat is skipped while ``healthy()`` is false
+(an expert server whose serving loop stalled), so the monitor loses a member that cannot serve
+even though its process answers. If the monitor itself is unreachable, the presence keeps
+trying to reconnect and register, once per period.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from ibgda import TransportError
+from sglang_eaas.monitor.base import MemberLost, MemberSession, MonitorBackend
+from sglang_eaas.protocol.monitor import Member
+
+logger = logging.getLogger(__name__)
+
+
+class Presence:
+    def __init__(self, backend: MonitorBackend, member: Member, period: float,
+                 load: Callable[[], dict] = dict, healthy: Callable[[], bool] = lambda: True,
+                 on_lost: Callable[[str], None] = lambda why: None):
+        self.backend, self.period = backend, period
+        self._template, self._load, self._healthy, self._on_lost = member, load, healthy, on_lost
+        self._lock = threading.Lock()
+        self._session: MemberSession | None = None
+        self.member: Member | None = None  # as registered (with its incarnation), or None
+        self._status = member.status
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="eaas-presence", daemon=True)
+
+    def start(self) -> "Presence":
+        """Register now (raising if the monitor refuses or is unreachable), then heartbeat."""
+        self._register()
+        self._thread.start()
+        return self
+
+    @property
+    def incarnation(self) -> str:
+        member = self.member
+        return member.incarnation if member is not None else ""
+
+    def _register(self) -> None:
+        with self._lock:
+            if self._session is None:
+                self._session = self.backend.session()
+            template = self._template.with_status(self._status)
+            self.member = self._session.register(template, self.period)
+
+    def _drop_session(self) -> None:
+        with self._lock:
+            if self._session is not None:
+                self._session.close()
+                self._session = None
+            self.member = None
+
+    def _run(self) -> None:
+        unreachable = False
+        while not self._stop.wait(self.period):
+            if not self._healthy():
+                continue
+            try:
+                if self.member is None:
+                    self._register()
+                    logger.info("registered with the monitor %s again, as incarnation %s",
+                                self.backend.address, self.incarnation)
+                else:
+                    with self._lock:
+                        self._session.heartbeat(self._load())
+                unreachable = False
+            except MemberLost as exc:
+                logger.warning("the monitor no longer has %s %s (%s); registering again",
+                               self._template.kind, self._template.id, exc)
+                with self._lock:
+                    self.member = None
+                self._on_lost(str(exc))
+            except TransportError as exc:
+                if not unreachable:
+                    logger.warning("monitor %s unreachable (%s); retrying every %.2fs",
+                                   self.backend.address, exc, self.period)
+                unreachable = True
+                lost = self.member is not None
+                self._drop_session()
+                if lost:
+                    self._on_lost(f"monitor connection broke: {exc}")
+
+    def set_status(self, status: str) -> None:
+        """``serving`` or ``draining``, now and in every later registration."""
+        self._status = status
+        with self._lock:
+            if self._session is not None and self.member is not None:
+                self._session.set_status(status)
+
+    def close(self) -> None:
+        """Leave in order (the monitor tells the others at once) and stop heartbeating."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.period + 1)
+        with self._lock:
+            if self._session is not None and self.member is not None:
+                try:
+                    self._session.leave()
+                except TransportError:
+                    pass
+        self._drop_session()

@@ -1,0 +1,133 @@
+"""``MonitorServer``: the embedded or standalone monitor every client and server heartbeats.
+
+An ``endpoint.LineEndpoint`` (authentication first, bounded lines, refusals counted by reason)
+whose sessions act on one ``Registry``, and a reaper thread that loses members whose heartbeats
+stopped. A server's registration is checked against the server itself: the monitor asks the
+control address it registers under for its model fingerprint, experts and pid, and refuses
+(``forged_registration``) a registration they do not match, so nothing can announce experts
+that no server at that address holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ibgda import TransportError
+from sglang_eaas.endpoint import LineEndpoint
+from sglang_eaas.monitor.registry import Registry
+from sglang_eaas.protocol import control
+from sglang_eaas.protocol.lines import ControlError
+from sglang_eaas.protocol.monitor import (
+    OPS, SERVER, Heartbeat, Leave, Member, Register, Report, SetStatus, Watch,
+)
+
+logger = logging.getLogger(__name__)
+MAX_WATCH = 60.0  # seconds one watch call may block
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str = ""
+    loss_timeout: float = 0.6  # seconds without a heartbeat before a member is lost
+    verify_servers: bool = True  # check a server's registration against the server
+
+
+class MonitorServer:
+    def __init__(self, config: MonitorConfig):
+        self.config = config
+        self.registry = Registry(config.loss_timeout)
+        self.endpoint = LineEndpoint((config.host, config.port), config.token,
+                                     lambda conn: _Session(self, conn), "eaas-monitor")
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="eaas-monitor-reaper",
+                                        daemon=True)
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    def start(self) -> "MonitorServer":
+        self.endpoint.thread.start()
+        self._reaper.start()
+        return self
+
+    def _reap(self) -> None:
+        period = self.config.loss_timeout / 12
+        while not self._stop.wait(period):
+            self.registry.expire()
+
+    def verify(self, member: Member) -> None:
+        """``ControlError("forged_registration")`` unless the server at ``member.id`` is the
+        process that registers, holding what it says."""
+        try:
+            stats = control.probe(member.id, self.config.token, timeout=5.0)
+        except TransportError as exc:
+            raise ControlError("forged_registration", f"server {member.id} registers, but its "
+                               f"control endpoint does not answer: {exc}") from None
+        claims = {"fingerprint": member.fingerprint, "pid": member.pid,
+                  "layer_experts": member.layer_experts}
+        found = {key: stats.get(key) for key in claims}
+        if found != claims:
+            raise ControlError("forged_registration", f"server {member.id} registers "
+                               f"{claims}, but the server at that address has {found}")
+
+    def stats(self) -> dict[str, Any]:
+        snapshot = self.registry.snapshot()
+        return {**self.registry.counters, **self.endpoint.counters(),
+                "revision": snapshot.revision, "servers": len(snapshot.servers()),
+                "clients": len(snapshot.clients())}
+
+    def close(self) -> None:
+        self._stop.set()
+        self.endpoint.close()
+
+
+class _Session:
+    """One connection: the members it registered live as long as it does."""
+
+    ops = OPS
+
+    def __init__(self, monitor: MonitorServer, connection: socket.socket):
+        self.monitor, self.registry = monitor, monitor.registry
+        self.closing = False
+
+    def handle(self, op: str, message: dict[str, Any]) -> dict[str, Any]:
+        registry = self.registry
+        if op == "register":
+            register, member = Register.from_message(message)
+            loss = registry.loss_timeout
+            if not 0 < register.heartbeat <= loss / 2:
+                raise ControlError("bad_field", f"a heartbeat period of {register.heartbeat}s "
+                                   f"is too slow for this monitor's loss timeout of {loss}s "
+                                   "(at most half of it)")
+            if member.kind == SERVER and self.monitor.config.verify_servers:
+                self.monitor.verify(member)
+            member = registry.register(member, self)
+            return {"incarnation": member.incarnation, "revision": registry.revision,
+                    "loss_timeout": loss}
+        if op == "heartbeat":
+            beat = Heartbeat.from_message(message)
+            return {"revision": registry.heartbeat(beat.incarnation, beat.load, self)}
+        if op == "set_status":
+            change = SetStatus.from_message(message)
+            return {"revision": registry.set_status(change.incarnation, change.status, self)}
+        if op == "leave":
+            registry.leave(Leave.from_message(message).incarnation, self)
+            return {}
+        if op == "watch":
+            watch = Watch.from_message(message)
+            snapshot = registry.wait(watch.after, min(max(watch.timeout, 0.0), MAX_WATCH))
+            return {"snapshot": snapshot.to_message()}
+        if op == "report":
+            report = Report.from_message(message)
+            return {"evicted": registry.report(report.server, report.incarnation, report.why)}
+        return {"stats": self.monitor.stats()}
+
+    def close(self) -> None:
+        self.registry.session_closed(self)
