@@ -15,6 +15,8 @@ setup(
     # The CPU runtime's stand-in packages are plain folders put on sys.path, not subpackages.
     package_data={"sglang_eaas.cpu_runtime": ["shims/*/*.py"], "ibgda": ["csrc/device/*"]},
     python_requires=">=3.10",
+    # etcd3gw: the monitor's etcd backend (etcd's v3 HTTP gateway), imported only for etcd://.
+    install_requires=["etcd3gw>=2.4"],
     # SGLang is not a hard requirement: on a CPU-only machine scripts/setup.sh installs it with
     # --no-deps plus requirements/sglang-cpu.txt, because its pinned CUDA kernels cannot install there.
     extras_require={

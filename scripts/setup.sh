@@ -26,6 +26,13 @@ else
   mode=cpu
 fi
 
+# Debian packages, installed when missing (as root; CI runs as root).
+apt_install() {
+  local quiet=(env DEBIAN_FRONTEND=noninteractive apt-get -y -q)
+  "${quiet[@]}" install --no-install-recommends "$@" >/dev/null \
+    || { "${quiet[@]}" update >/dev/null && "${quiet[@]}" install --no-install-recommends "$@" >/dev/null; }
+}
+
 # Mooncake (ibgda's cross-host backend) loads Debian's libibverbs1 at import, RDMA or not.
 # Checked on every run: a cached venv may meet a fresh machine. ldconfig's listing is read whole
 # first: with pipefail, 'ldconfig -p | grep -q' fails when grep quits early and ldconfig gets SIGPIPE.
@@ -33,10 +40,20 @@ linker_cache="$(ldconfig -p 2>/dev/null || true)"
 if ! grep -q 'libibverbs\.so\.1' <<<"$linker_cache"; then
   [[ $(id -u) == 0 ]] || die "Mooncake needs libibverbs1: run 'sudo apt-get install -y libibverbs1', then this again"
   step "installing Debian's libibverbs1 (for Mooncake)"
-  apt_quiet() { DEBIAN_FRONTEND=noninteractive apt-get "$@" >/dev/null; }
-  apt_quiet install -y --no-install-recommends libibverbs1 \
-    || { apt_quiet update && apt_quiet install -y --no-install-recommends libibverbs1; } \
-    || die "could not install libibverbs1 with apt-get"
+  apt_install libibverbs1 || die "could not install libibverbs1 with apt-get"
+fi
+
+# etcd (the monitor's multi-host backend, etcd://; its tests start one on loopback): Debian's
+# etcd-server. Only the tests need it on this machine, so without root it is a warning.
+if ! command -v etcd >/dev/null; then
+  if [[ $(id -u) == 0 ]]; then
+    step "installing Debian's etcd-server (for the etcd monitor's tests)"
+    apt_install etcd-server || die "could not install etcd-server with apt-get"
+    # The package may start a system etcd on the default ports; the tests start their own.
+    { command -v systemctl >/dev/null && systemctl stop etcd 2>/dev/null; } || true
+  else
+    echo "setup: warning: etcd is not installed ('sudo apt-get install -y etcd-server'); the etcd monitor's tests will fail" >&2
+  fi
 fi
 
 stamp_file="$venv/.sglang-eaas-setup"

@@ -53,3 +53,15 @@ def hf_expert_sum(experts: torch.nn.Module, hidden: torch.Tensor, expert_ids: to
     with ``router_weights [T, K]``."""
     with torch.no_grad():
         return experts(hidden, expert_ids.long(), router_weights.to(hidden.dtype))
+
+
+def assert_matches_hf(out: torch.Tensor, hf_experts, layer, x, ids, weights) -> None:
+    """The servers' sum equals transformers' to within 1e-6 of the result's scale, not bit for
+    bit: both run the same float32 ops (F.linear, SiLU * up, F.linear, times the router
+    weight; two entries per token add the same either way), but F.linear's value for a row
+    depends on how many rows share the call (1-3 rows against 4 or more differ in the last
+    bits on this machine's BLAS), and the servers group an expert's rows differently
+    (chunks of --max-tokens, a replicated expert split between servers)."""
+    reference = hf_expert_sum(hf_experts[layer], x, ids, weights)
+    torch.testing.assert_close(out, reference, rtol=1e-6,
+                               atol=1e-6 * float(reference.abs().max()))

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 from conftest import model_path, open_log
-from hf_reference import hf_expert_sum, hf_routed_experts
+from hf_reference import assert_matches_hf, hf_routed_experts
 from ibgda_backends import BACKENDS, backend_transport
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
@@ -63,18 +63,6 @@ def _client(servers, info, name="test") -> EaasClient:
 def hf_experts(tiny_qwen3) -> dict[int, torch.nn.Module]:
     """The reference: transformers' own expert modules, loaded by its own from_pretrained."""
     return hf_routed_experts(tiny_qwen3)
-
-
-def assert_matches_hf(out: torch.Tensor, hf_experts, layer, x, ids, weights) -> None:
-    """The servers' sum equals transformers' to within 1e-6 of the result's scale, not bit for
-    bit: both run the same float32 ops (F.linear, SiLU * up, F.linear, times the router
-    weight; two entries per token add the same either way), but F.linear's value for a row
-    depends on how many rows share the call (1-3 rows against 4 or more differ in the last
-    bits on this machine's BLAS), and the servers group an expert's rows differently
-    (chunks of --max-tokens, a replicated expert split between servers)."""
-    reference = hf_expert_sum(hf_experts[layer], x, ids, weights)
-    torch.testing.assert_close(out, reference, rtol=1e-6,
-                               atol=1e-6 * float(reference.abs().max()))
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 200])

@@ -60,7 +60,7 @@ class EaasClient:
         self._explicit_steps = False  # begin_step/end_step are called (SGLang's run_batch)
         self.view = self.tier.start()
         self._install(self.view)
-        self.tier.on_view = self.stage
+        self.tier.on_view = self._offer
 
     # -- views -----------------------------------------------------------------------------
     @property
@@ -100,16 +100,23 @@ class EaasClient:
                 raise PlacementError(f"routing table {view.epoch} names servers {unknown} "
                                      "this client is not connected to")
             view = View(view, {s: live[s] for s in view.servers})
+        if not self._offer(view):
+            raise PlacementError(f"routing table {view.epoch} is not newer than the table in "
+                                 f"use ({self.view.epoch})")
+
+    def _offer(self, view: View) -> bool:
+        """Stage ``view`` (install it, between steps); False if it is older than what this
+        client has (views are built on several threads: the newest wins)."""
         with self._lock:
             newest = self._staged.epoch if self._staged is not None else self.view.epoch
             if view.epoch <= newest:
-                raise PlacementError(f"routing table {view.epoch} is not newer than the table "
-                                     f"in use ({newest})")
+                return False
             if self.in_step:
                 self._staged = view
             else:
                 self._staged = None
                 self._install(view)
+            return True
 
     def _install(self, view: View) -> None:
         """Use ``view`` now (between steps, or after a failure narrowed the table)."""
@@ -242,7 +249,12 @@ class EaasClient:
 
     def _lose(self, conn: ServerConnection, why: str, report: bool) -> None:
         """Drop ``conn`` now: the rest of this step uses a table without it."""
-        self._install(self.tier.lose(conn, why, report))
+        view = self.tier.lose(conn, why, report)
+        with self._lock:
+            if self._staged is not None and self._staged.epoch < view.epoch:
+                self._staged = None  # built before the loss: it may still hold ``conn``
+            if view.epoch > self.view.epoch:
+                self._install(view)
 
     def _record_orphans(self, layer_id: int, ids: np.ndarray, orphans: np.ndarray,
                         first_row: int) -> None:

@@ -48,6 +48,14 @@ class ServerConnection:
             self.close()
             raise
 
+    def closed_by_server(self) -> bool:
+        """Whether the server closed the control connection (it died, or took the slot back):
+        a peek that does not block and does not consume a reply."""
+        return self._channel.closed_by_peer()
+
+    def socket(self):
+        return self._channel.socket
+
     def stats(self) -> dict:
         return self._channel.call("stats")["stats"]
 

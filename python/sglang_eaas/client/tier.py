@@ -46,6 +46,7 @@ from sglang_eaas.routing_table import RoutingTable
 logger = logging.getLogger(__name__)
 RETRY = 2.0  # seconds between attempts to join a server that failed to join
 WATCH = 5.0  # seconds one monitor watch call waits for a change
+CLOSES_POLL = 0.1  # seconds between looks at which control connections a server closed
 
 
 @dataclass(frozen=True)
@@ -86,12 +87,15 @@ class ClientTier:
         self.adopted_epoch = 0  # the data path's current view (it sets this)
         self.evicted = False
         self.stats: collections.Counter[str] = collections.Counter()
-        self.on_view: Callable[[View], None] = lambda view: None  # the data path's stage()
+        # The data path's way to take a new view (it ignores one older than what it has).
+        self.on_view: Callable[[View], None] = lambda view: None
         self.backend = self.presence = None
         self._revision = -1
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="eaas-client-tier",
                                          daemon=True)
+        self._closes = threading.Thread(target=self._watch_closes, name="eaas-client-closes",
+                                        daemon=True)
 
     # -- start -----------------------------------------------------------------------------
     def start(self) -> View:
@@ -116,6 +120,7 @@ class ClientTier:
             self.close()
             raise
         self._watcher.start()
+        self._closes.start()
         return view
 
     def _token(self) -> str:
@@ -297,6 +302,36 @@ class ClientTier:
         if view is not None:
             self.on_view(view)
 
+    def _watch_closes(self) -> None:
+        """The fastest sign of a crashed server: its kernel closes our control connection at
+        once. Such a server leaves the table now (a wait on it stops), whatever the monitor
+        has noticed yet."""
+        import selectors
+
+        while not self._stop.is_set():
+            conns = self.live_connections()
+            if not conns:
+                self._stop.wait(CLOSES_POLL)
+                continue
+            try:
+                with selectors.DefaultSelector() as selector:
+                    for conn in conns.values():
+                        selector.register(conn.socket(), selectors.EVENT_READ, conn)
+                    ready = selector.select(CLOSES_POLL)
+            except (OSError, ValueError):  # a connection closed meanwhile: look again
+                continue
+            closed = [key.data for key, _ in ready if key.data.closed_by_server()]
+            if not closed:
+                if ready:  # a reply to a call of someone else's, not read yet
+                    self._stop.wait(CLOSES_POLL)
+                continue
+            with self._lock:
+                for conn in closed:
+                    self._drop(conn, "its control connection closed (the server is gone)",
+                               lost=True)
+                view = self._build()
+            self.on_view(view)
+
     def _rejoin_static(self) -> bool:
         """Join again the servers given at launch that the monitor does not know and that
         failed, once they answer."""
@@ -326,8 +361,9 @@ class ClientTier:
 
     def close(self) -> None:
         self._stop.set()
-        if self._watcher.is_alive():
-            self._watcher.join(timeout=WATCH + 1)
+        for thread in (self._watcher, self._closes):
+            if thread.is_alive():
+                thread.join(timeout=WATCH + 1)
         with self._lock:
             conns = list(self._conns.values()) + [c for _, c in self._retired]
             self._conns, self._retired = {}, []

@@ -168,6 +168,19 @@ class Channel:
     def settimeout(self, seconds: float | None) -> None:
         self._sock.settimeout(seconds)
 
+    @property
+    def socket(self) -> socket.socket:
+        return self._sock
+
+    def closed_by_peer(self) -> bool:
+        """Whether the peer has closed the connection (a non-blocking peek)."""
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
     def close(self) -> None:
         try:
             self._file.close()

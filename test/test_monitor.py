@@ -1,0 +1,256 @@
+"""The monitor, embedded (TCP) and over etcd: heartbeats, losses, evictions, re-registration, and
+registrations that are refused and counted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import CACHE, open_log
+from sglang_eaas.launcher.local_servers import start_local_servers
+from sglang_eaas.monitor import connect
+from sglang_eaas.monitor.presence import Presence
+from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
+from sglang_eaas.protocol.lines import Channel, Refused
+from sglang_eaas.protocol.monitor import CLIENT, DRAINING, Member
+from sglang_eaas.tools.etcd_process import EtcdProcess
+
+from ibgda import TransportError
+
+TOKEN = os.environ["SGLANG_EAAS_TOKEN"]
+HEARTBEAT, LOSS = 0.1, 0.4  # the TCP monitor's loss timeout in these tests
+ETCD_LOSS = 1.5  # etcd: a 1 s lease, and expired leases are revoked every 500 ms
+
+
+@pytest.fixture(scope="module")
+def tcp_monitor():
+    monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=LOSS)).start()
+    yield monitor
+    monitor.close()
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EtcdProcess(CACHE / "logs" / "test" / "etcd-monitor.log") as process:
+        yield process
+
+
+@pytest.fixture(params=["tcp", "etcd"])
+def monitor_url(request) -> tuple[str, float]:
+    """(URL, how long a silent member may take to be lost) for each backend."""
+    if request.param == "tcp":
+        return request.getfixturevalue("tcp_monitor").address, LOSS
+    return request.getfixturevalue("etcd").url, ETCD_LOSS
+
+
+class _Healthy:
+    def __init__(self):
+        self.ok = True
+
+    def __call__(self) -> bool:
+        return self.ok
+
+
+def _member(name: str) -> Member:
+    return Member(CLIENT, f"test:{name}", "host", os.getpid())
+
+
+def _wait_for(backend, condition, timeout: float):
+    """The first snapshot that satisfies ``condition``, and when it came (monotonic)."""
+    deadline, revision = time.monotonic() + timeout, -1
+    while True:
+        snapshot = backend.watch(revision, max(0.0, min(1.0, deadline - time.monotonic())))
+        revision = snapshot.revision
+        if condition(snapshot):
+            return snapshot, time.monotonic()
+        assert time.monotonic() < deadline, f"not within {timeout}s: {snapshot}"
+
+
+def _ids(snapshot) -> dict[str, str]:
+    return {m.id: m.incarnation for m in snapshot.members}
+
+
+def test_a_silent_member_is_lost_then_registers_again(monitor_url):
+    """A member whose heartbeats stop (a hang) is lost within the loss timeout; when it beats
+    again it is refused and registers as a new incarnation."""
+    url, loss = monitor_url
+    watcher, healthy = connect(url, TOKEN), _Healthy()
+    presence = Presence(connect(url, TOKEN), _member("silent"), HEARTBEAT,
+                        healthy=healthy).start()
+    try:
+        first = presence.incarnation
+        _wait_for(watcher, lambda s: _ids(s).get("test:silent") == first, 5)
+        healthy.ok = False
+        hung = time.monotonic()
+        snapshot, lost = _wait_for(watcher, lambda s: "test:silent" not in _ids(s), loss + 2)
+        assert lost - hung <= loss + HEARTBEAT + 0.5, lost - hung
+        assert any(d.id == "test:silent" and d.incarnation == first and d.why.startswith("lost")
+                   for d in snapshot.departures)
+        healthy.ok = True
+        snapshot, _ = _wait_for(watcher, lambda s: "test:silent" in _ids(s), 5)
+        assert _ids(snapshot)["test:silent"] not in ("", first)
+    finally:
+        presence.close()
+        watcher.close()
+
+
+def test_a_report_evicts_a_server_which_registers_again(monitor_url, tmp_path):
+    """A client's timeout report evicts the reported incarnation only; the server registers
+    again by itself. An orderly leave is seen at once."""
+    url, _ = monitor_url
+    watcher = connect(url, TOKEN)
+    presence = Presence(connect(url, TOKEN), _member("reported"), HEARTBEAT).start()
+    try:
+        first = presence.incarnation
+        assert not watcher.report("test:reported", first, "a test")  # a client, not a server
+        presence.close()
+        snapshot, _ = _wait_for(watcher, lambda s: "test:reported" not in _ids(s), 3)
+    finally:
+        watcher.close()
+
+
+def test_servers_are_evicted_on_report_and_verified_at_registration(tcp_monitor, etcd,
+                                                                    tiny_qwen3):
+    """A real expert server registers with both monitors; a report of its incarnation evicts it
+    and it comes back as another. The TCP monitor asks the server's address whether it holds
+    what a registration says: a forged one is refused and counted."""
+    log = open_log("monitor-servers")
+    servers = start_local_servers(tiny_qwen3, [[0, 1, 2, 3]], "float32", max_clients=1,
+                                  extra_args=("--monitor", tcp_monitor.address, "--heartbeat",
+                                              str(HEARTBEAT)), stdout=log)
+    etcd_servers = start_local_servers(tiny_qwen3, [[4, 5, 6, 7]], "float32", max_clients=1,
+                                       extra_args=("--monitor", etcd.url, "--heartbeat",
+                                                   str(HEARTBEAT)), stdout=log)
+    try:
+        for url, server in ((tcp_monitor.address, servers[0]), (etcd.url, etcd_servers[0])):
+            watcher = connect(url, TOKEN)
+            try:
+                snapshot, _ = _wait_for(watcher, lambda s: server.address in _ids(s), 30)
+                first = _ids(snapshot)[server.address]
+                assert not watcher.report(server.address, "not-its-incarnation", "test")
+                assert watcher.report(server.address, first, "test: did not answer")
+                snapshot, _ = _wait_for(watcher, lambda s: _ids(s).get(server.address)
+                                        not in (None, first), 10)
+                member = next(m for m in snapshot.members if m.id == server.address)
+                assert member.holdings() in ({0: [0, 1, 2, 3], 1: [0, 1, 2, 3]},
+                                             {0: [4, 5, 6, 7], 1: [4, 5, 6, 7]})
+            finally:
+                watcher.close()
+
+        before = tcp_monitor.stats()["control_refused"]
+        session = connect(tcp_monitor.address, TOKEN).session()
+        real = next(m for m in tcp_monitor.registry.snapshot().members
+                    if m.id == servers[0].address)
+        for forged in ({"layer_experts": {"0": [0, 1, 2, 3, 4, 5, 6, 7]}}, {"pid": 1},
+                       {"id": "127.0.0.1:1"}):
+            claim = Member(**{**real.to_message(), **forged})
+            with pytest.raises(Refused) as refused:
+                session.register(claim, HEARTBEAT)
+            assert refused.value.reason == "forged_registration"
+        with pytest.raises(Refused, match="too slow for this monitor's loss timeout"):
+            session.register(_member("slow"), LOSS)
+        session.close()
+        after = tcp_monitor.stats()["control_refused"]
+        assert after.get("forged_registration", 0) == before.get("forged_registration", 0) + 3
+        assert after.get("bad_field", 0) == before.get("bad_field", 0) + 1
+    finally:
+        for s in servers + etcd_servers:
+            s.stop()
+        log.close()
+
+
+def test_unauthenticated_members_are_refused_and_counted(tcp_monitor, etcd):
+    before = tcp_monitor.stats()
+    with pytest.raises(Refused, match="authentication failed"):
+        Channel(tcp_monitor.address, "wrong-token", peer="monitor").call(
+            "register", member=_member("intruder").to_message(), heartbeat=HEARTBEAT)
+    after = tcp_monitor.stats()
+    assert after["control_refused"].get("unauthenticated", 0) == before[
+        "control_refused"].get("unauthenticated", 0) + 1
+    assert after["refused_connections"] == before["refused_connections"] + 1
+    assert "test:intruder" not in _ids(tcp_monitor.registry.snapshot())
+
+    # etcd: anyone who reaches it may write a key; a record not signed with the token is
+    # ignored by every reader, and counted.
+    intruder = connect(etcd.url, "wrong-token").session()
+    intruder.register(_member("intruder"), HEARTBEAT)
+    reader = connect(etcd.url, TOKEN)
+    try:
+        snapshot = reader.watch(-1, 0.0)
+        assert "test:intruder" not in _ids(snapshot)
+        assert reader.stats()["refused"] == {"forged_registration": 1}
+    finally:
+        intruder.leave()
+        reader.close()
+
+
+def test_status_changes_and_orderly_leaves_reach_watchers_at_once(monitor_url):
+    url, _ = monitor_url
+    watcher = connect(url, TOKEN)
+    presence = Presence(connect(url, TOKEN), _member("drainer"), HEARTBEAT).start()
+    try:
+        snapshot, _ = _wait_for(watcher, lambda s: "test:drainer" in _ids(s), 5)
+        changed = time.monotonic()
+        presence.set_status(DRAINING)
+        _, seen = _wait_for(watcher, lambda s: any(
+            m.id == "test:drainer" and m.status == DRAINING for m in s.members), 5)
+        assert seen - changed < 0.5
+        left = time.monotonic()
+        presence.close()
+        _, seen = _wait_for(watcher, lambda s: "test:drainer" not in _ids(s), 5)
+        assert seen - left < 0.5
+    finally:
+        watcher.close()
+
+
+def test_standalone_monitor_command(tmp_path):
+    """``python -m sglang_eaas.monitor``: refuses to run without a token, serves with one, and
+    stops on SIGTERM."""
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_EAAS_TOKEN"}
+    no_token = subprocess.run([sys.executable, "-m", "sglang_eaas.monitor"], env=env,
+                              capture_output=True, text=True, timeout=60)
+    assert no_token.returncode == 2 and "needs a shared token" in no_token.stderr
+    process = subprocess.Popen([sys.executable, "-m", "sglang_eaas.monitor", "--listen",
+                                "127.0.0.1:0", "--loss-timeout", "0.5"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("sglang-eaas monitor ready on 127.0.0.1:"), line
+        address = line.split()[4]
+        presence = Presence(connect(address, TOKEN), _member("standalone"), 0.2).start()
+        watcher = connect(address, TOKEN)
+        assert "test:standalone" in _ids(watcher.watch(-1, 0.0))
+        presence.close()
+        watcher.close()
+    finally:
+        process.terminate()
+        assert process.wait(10) == 0
+
+
+def test_an_unreachable_monitor_is_an_error_at_start():
+    with pytest.raises(TransportError, match="monitor 127.0.0.1:9 is unreachable"):
+        Presence(connect("127.0.0.1:9", TOKEN), _member("x"), HEARTBEAT).start()
+    with pytest.raises(TransportError, match="etcd etcd://127.0.0.1:9"):
+        connect("etcd://127.0.0.1:9", TOKEN)
+
+
+def test_watch_is_woken_by_changes_not_by_heartbeats(tcp_monitor):
+    watcher = connect(tcp_monitor.address, TOKEN)
+    presence = Presence(connect(tcp_monitor.address, TOKEN), _member("beater"),
+                        HEARTBEAT).start()
+    try:
+        revision = watcher.watch(-1, 0.0).revision
+        started = time.monotonic()
+        woke = watcher.watch(revision, 1.0)  # ten heartbeats meanwhile, no change
+        assert woke.revision == revision and time.monotonic() - started >= 0.9
+        done = threading.Event()
+        threading.Timer(0.2, lambda: (presence.close(), done.set())).start()
+        woke = watcher.watch(revision, 5.0)
+        assert woke.revision > revision and time.monotonic() - started < 2.5
+        done.wait(5)
+    finally:
+        watcher.close()
