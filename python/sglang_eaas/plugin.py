@@ -87,15 +87,9 @@ HOOKS: tuple[Hook, ...] = (
         "sglang.srt.managers.scheduler.Scheduler.run_batch",
         "AROUND",
         steps.run_batch,
-        "--eaas: a rank adopts a new routing table only between steps; rows whose experts had "
-        "no live holder are traced to their requests",
-    ),
-    Hook(
-        "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
-        "BEFORE",
-        steps.fail_requests,
-        "--eaas: requests that needed an expert with no live holder end with HTTP 503 (naming "
-        "the layer and experts), their KV kept out of the radix cache; the batch goes on",
+        "--eaas: a rank adopts a new routing table only between steps; requests that needed an "
+        "expert with no live holder end with HTTP 503 naming the layer and experts, their KV "
+        "kept out of the radix cache; the rest of the batch goes on",
     ),
     Hook(
         "sglang.srt.model_loader.loader.DefaultModelLoader._get_all_weights",

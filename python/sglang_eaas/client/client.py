@@ -26,6 +26,7 @@ from sglang_eaas import transports
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.client.device_step import DeviceFailure, DeviceStep, drives_devices
+from sglang_eaas.client.metrics import TierMetrics
 from sglang_eaas.client.tier import ClientTier, TierSettings, View
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor import HEARTBEAT
@@ -45,11 +46,13 @@ class EaasClient:
                  expected_experts: dict[str, PlacedExperts] | None = None,
                  result_timeout: float = 2.0, transport: str = transports.AUTO,
                  poll_spin: float = POLL_SPIN_US * 1e-6, monitor: str = "",
-                 heartbeat: float = HEARTBEAT, wait_for_experts: float = 30.0):
+                 heartbeat: float = HEARTBEAT, wait_for_experts: float = 30.0,
+                 metrics: TierMetrics | None = None):
         self.info, self.result_timeout, self.poll_spin = info, result_timeout, poll_spin
+        self.metrics = metrics or TierMetrics()
         self.tier = ClientTier(TierSettings(tuple(addresses), monitor, heartbeat, result_timeout,
                                             transport, expected_experts, wait_for_experts),
-                               info, model, dtype, name)
+                               info, model, dtype, name, self.metrics)
         self._lock = threading.Lock()  # the view in use, the staged one, in_step
         self._staged: View | None = None
         self.in_step = False
@@ -131,6 +134,7 @@ class EaasClient:
             self._device_step = None
         self.view = view
         self.tier.adopted_epoch = view.epoch
+        self.metrics.view(view)
 
     def begin_step(self, explicit: bool = True) -> None:
         """A step starts: adopt a staged view; forget the last step's failures."""
@@ -216,6 +220,7 @@ class EaasClient:
                 rows_t = torch.from_numpy(rows).to(hidden.device)
                 try:
                     conn.slot.send(layer_id, hidden[rows_t], chosen, weights[rows_t].float())
+                    self.metrics.sent(conn.address)
                 except (TransportError, ProtocolError) as exc:
                     self._lose(conn, f"sending failed: {exc}", report=True)
                     continue
@@ -245,6 +250,7 @@ class EaasClient:
                 return conn.lost_why
             if remaining <= 0:
                 self.tier.stats[f"timeouts:{conn.address}"] += 1
+                self.metrics.timeout(conn.address)
                 return f"did not answer MoE layer {layer_id} within {self.result_timeout:g}s"
 
     def _lose(self, conn: ServerConnection, why: str, report: bool) -> None:

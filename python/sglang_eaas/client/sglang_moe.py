@@ -19,6 +19,7 @@ import torch
 from sglang_eaas import config as eaas_config
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
+from sglang_eaas.client.metrics import PrometheusTierMetrics, TierMetrics
 from sglang_eaas.model_info import MoeModelInfo, is_routed_expert_tensor
 from sglang_eaas.placement import load_placement_file
 
@@ -41,7 +42,8 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
                              ModelIdentity.of(server_args.model_path, info), dtype, name,
                              expected_experts=expected, transport=cfg.transport,
                              poll_spin=cfg.poll_spin_us * 1e-6, monitor=cfg.monitor,
-                             heartbeat=cfg.heartbeat, result_timeout=cfg.result_timeout)
+                             heartbeat=cfg.heartbeat, result_timeout=cfg.result_timeout,
+                             metrics=_metrics(server_args))
         atexit.register(_client.close)
         logger.info("sglang-eaas: %s joined expert servers %s over %s%s (monitor %s, routing "
                     "table epoch %d)", name, ", ".join(c.address for c in _client.connections),
@@ -49,6 +51,15 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
                     "; the exchange runs on the device" if _client.device_step else "",
                     cfg.monitor, _client.table.epoch)
     return _client
+
+
+def _metrics(server_args: Any) -> TierMetrics:
+    """The tier's Prometheus metrics where SGLang serves /metrics (``--enable-metrics``)."""
+    if not getattr(server_args, "enable_metrics", False):
+        return TierMetrics()
+    from sglang.srt.distributed import get_tp_group
+
+    return PrometheusTierMetrics(get_tp_group().rank_in_group)
 
 
 def current_client() -> EaasClient | None:

@@ -4,10 +4,10 @@
 a step begins (``EaasClient.begin_step``), never in the middle of one. When the step is over,
 the token rows whose experts had no live holder (``end_step``) are turned into the requests
 they belong to; with attention TP every rank ends the same requests (the ranks agree by an
-all-reduce over SGLang's CPU group, since a rank's table may lag another's by a step). Before
-SGLang processes the step's result those requests are finished with an error (HTTP 503 for
-their caller, naming the layer and experts) and kept out of the radix cache, since their KV
-entries were computed without those experts; the other requests of the batch go on.
+all-reduce over SGLang's CPU group, since a rank's table may lag another's by a step). Those
+requests are finished with an error (HTTP 503 for their caller, naming the layer and experts)
+and kept out of the radix cache, since their KV entries were computed without those experts;
+the other requests of the batch go on.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def run_batch(run: Callable, scheduler: Any, batch: Any, *args, **kwargs) -> Any
         rows = client.end_step()
     failed = _agreed(_requests_of(batch, rows))
     if failed:
-        batch._eaas_failed = failed
+        _fail(client, batch, failed)
     return result
 
 
@@ -79,21 +79,20 @@ def _agreed(failed: dict[int, str]) -> dict[int, str]:
     return {i: failed.get(i, UNNAMED) for i in torch.flatnonzero(mask).tolist()}
 
 
-def fail_requests(scheduler: Any, batch: Any, result: Any) -> None:
-    """BEFORE ``Scheduler.process_batch_result``: end the requests of rows that could not be
-    computed, with an error for their callers, and keep their KV out of the radix cache."""
-    failed = getattr(batch, "_eaas_failed", None)
-    if not failed:
-        return
+def _fail(client: Any, batch: Any, failed: dict[int, str]) -> None:
+    """End the requests of rows that could not be computed, with an error for their callers,
+    and keep their KV out of the radix cache. Done on the requests themselves, right after the
+    forward, as SGLang's own abort of a running request does (``to_finish``): with the overlap
+    scheduler, SGLang processes this step's result on a copy of the batch, later."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    del batch._eaas_failed
     for index, why in failed.items():
         req = batch.reqs[index]
-        if req.finished():
-            continue
+        if req.finished() or req.to_finish is not None:
+            continue  # already ending (it runs one more step before it does)
         message = f"sglang-eaas: request {req.rid} cannot be served: {why}"
         logger.warning(message)
         req.to_finish = FINISH_ABORT(message, HTTPStatus.SERVICE_UNAVAILABLE,
                                      "ServiceUnavailableError")
         req.skip_radix_cache_insert = True
+        client.metrics.failed_requests(1)

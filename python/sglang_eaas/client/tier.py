@@ -35,6 +35,7 @@ from ibgda import TransportError
 from sglang_eaas import transports
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.connection import ServerConnection
+from sglang_eaas.client.metrics import TierMetrics
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor import HEARTBEAT, connect
 from sglang_eaas.monitor.presence import Presence
@@ -75,8 +76,9 @@ class TierSettings:
 
 class ClientTier:
     def __init__(self, settings: TierSettings, info: MoeModelInfo, model: ModelIdentity,
-                 dtype: torch.dtype, client_id: str):
+                 dtype: torch.dtype, client_id: str, metrics: TierMetrics | None = None):
         self.settings, self.info, self.model = settings, info, model
+        self.metrics = metrics or TierMetrics()
         self.dtype, self.client_id = DTYPE_NAMES[dtype], client_id
         self._lock = threading.RLock()
         self._conns: dict[str, ServerConnection] = {}  # every live connection, by server id
@@ -215,6 +217,8 @@ class ClientTier:
             conn.lost_why = why
         self._retired.append((self._epoch + 1, conn))
         self.stats["drops"] += 1
+        if lost:
+            self.metrics.failover(conn.address)
         orphans = RoutingTable.build(0, {s: c.layer_experts for s, c in self._conns.items()},
                                      list(self.info.moe_layers), self.info.num_experts,
                                      allow_missing=True).missing

@@ -171,6 +171,7 @@ class ExpertServer:
                 "fingerprint": self.info.fingerprint(), "pid": os.getpid(),
                 "expert_digests": {str(e): d for e, d in self.digests.items()},
                 "experts": self.experts, "layer_experts": self.layer_experts_message(),
+                "num_experts": self.info.num_experts,
                 "clients": len(self._active), **self.control.counters(),
                 **({} if self.tier is None else self.tier.counters())}
 

@@ -38,6 +38,7 @@ class ServerTier:
         self.backend = connect(config.monitor, config.token)  # watching
         member = Member(SERVER, server.address, socket.gethostname(), os.getpid(),
                         fingerprint=server.info.fingerprint(),
+                        num_experts=server.info.num_experts,
                         layer_experts=server.layer_experts_message())
         self.presence = Presence(connect(config.monitor, config.token), member,
                                  config.heartbeat, load=server.load, healthy=server.healthy)

@@ -71,7 +71,7 @@ class MonitorServer:
             raise ControlError("forged_registration", f"server {member.id} registers, but its "
                                f"control endpoint does not answer: {exc}") from None
         claims = {"fingerprint": member.fingerprint, "pid": member.pid,
-                  "layer_experts": member.layer_experts}
+                  "layer_experts": member.layer_experts, "num_experts": member.num_experts}
         found = {key: stats.get(key) for key in claims}
         if found != claims:
             raise ControlError("forged_registration", f"server {member.id} registers "

@@ -48,6 +48,7 @@ class Member:
     incarnation: str = ""  # given by the monitor at registration
     status: str = SERVING  # SERVING | DRAINING (servers)
     fingerprint: str = ""  # servers: MoeModelInfo.fingerprint() of what they serve
+    num_experts: int = 0  # servers: the model's routed experts per MoE layer
     layer_experts: dict = field(default_factory=dict)  # servers: str(MoE layer) -> expert ids
     load: dict = field(default_factory=dict)  # counters from the last heartbeat
     beat_age: float = 0.0  # seconds since the last heartbeat, when a snapshot was taken

@@ -1,0 +1,92 @@
+"""The expert tier in SGLang's ``/metrics`` (Prometheus), with ``--enable-metrics``.
+
+SGLang runs prometheus_client in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, set by its
+launcher before the workers start), so metrics made in a scheduler process appear in the HTTP
+server's ``/metrics`` with SGLang's own. One set per attention rank (label ``rank``):
+
+    sglang_eaas_server_requests_total{server}   requests sent to each expert server
+    sglang_eaas_server_timeouts_total{server}   results that did not come within the timeout
+    sglang_eaas_failovers_total{server}         times a server was dropped with work in flight
+                                                or gone (its tokens went to other holders)
+    sglang_eaas_failed_requests_total           requests ended because an expert had no holder
+    sglang_eaas_table_epoch                     the routing table in use
+    sglang_eaas_table_servers                   expert servers in it
+    sglang_eaas_missing_experts                 (MoE layer, expert) pairs with no live holder
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_eaas.client.tier import View
+
+
+class TierMetrics:
+    """No metrics (``--enable-metrics`` off, or outside SGLang): every call does nothing."""
+
+    def sent(self, server: str) -> None:
+        pass
+
+    def timeout(self, server: str) -> None:
+        pass
+
+    def failover(self, server: str) -> None:
+        pass
+
+    def failed_requests(self, count: int) -> None:
+        pass
+
+    def view(self, view: "View") -> None:
+        pass
+
+
+class PrometheusTierMetrics(TierMetrics):
+    def __init__(self, rank: int):
+        # Imported here: prometheus_client must see PROMETHEUS_MULTIPROC_DIR first.
+        from prometheus_client import Counter, Gauge
+
+        labels = {"rank": str(rank)}
+        per_server = ["rank", "server"]
+        self._rank = str(rank)
+        self._requests = Counter("sglang_eaas_server_requests", "Requests sent to each expert "
+                                 "server", per_server)
+        self._timeouts = Counter("sglang_eaas_server_timeouts", "Results that did not come "
+                                 "within the result timeout", per_server)
+        self._failovers = Counter("sglang_eaas_failovers", "Times an expert server was dropped "
+                                  "from the routing table by this rank", per_server)
+        self._failed = Counter("sglang_eaas_failed_requests", "Requests ended because an expert "
+                               "they needed had no live holder", ["rank"]).labels(**labels)
+        gauge = dict(labelnames=["rank"], multiprocess_mode="livemostrecent")
+        self._epoch = Gauge("sglang_eaas_table_epoch", "Epoch of the routing table in use",
+                            **gauge).labels(**labels)
+        self._servers = Gauge("sglang_eaas_table_servers", "Expert servers in the routing "
+                              "table in use", **gauge).labels(**labels)
+        self._missing = Gauge("sglang_eaas_missing_experts", "(MoE layer, expert) pairs with no "
+                              "live expert server", **gauge).labels(**labels)
+        self._by_server: dict[str, tuple] = {}
+
+    def _of(self, server: str) -> tuple:
+        found = self._by_server.get(server)
+        if found is None:
+            found = self._by_server[server] = tuple(
+                c.labels(rank=self._rank, server=server)
+                for c in (self._requests, self._timeouts, self._failovers))
+        return found
+
+    def sent(self, server: str) -> None:
+        self._of(server)[0].inc()
+
+    def timeout(self, server: str) -> None:
+        self._of(server)[1].inc()
+
+    def failover(self, server: str) -> None:
+        self._of(server)[2].inc()
+
+    def failed_requests(self, count: int) -> None:
+        self._failed.inc(count)
+
+    def view(self, view: "View") -> None:
+        self._epoch.set(view.epoch)
+        self._servers.set(len(view.table.servers))
+        self._missing.set(sum(len(e) for e in view.table.missing.values()))

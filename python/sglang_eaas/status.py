@@ -1,0 +1,112 @@
+"""``python -m sglang_eaas.status --monitor ADDR``: the live expert tier, as its monitor sees it.
+
+Prints every expert server (status, incarnation, seconds since its last heartbeat, clients,
+requests and tokens served, experts per MoE layer), then each MoE layer's coverage (how many
+live holders each expert has, and which have none), then the attention clients and the latest
+departures with why. ``--json`` prints the monitor's snapshot instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+
+from ibgda import TransportError
+from sglang_eaas import envs
+from sglang_eaas.monitor import connect, parse_monitor
+from sglang_eaas.protocol.monitor import SERVING, Member, Snapshot
+
+
+def ranges(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out, ids = [], sorted(ids)
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out) or "-"
+
+
+def render(snapshot: Snapshot, monitor: str) -> str:
+    servers = sorted(snapshot.servers(), key=lambda m: m.id)
+    lines = [f"monitor {monitor}, revision {snapshot.revision}: {len(servers)} expert servers, "
+             f"{len(snapshot.clients())} attention clients", ""]
+    rows = [("SERVER", "STATUS", "INCARNATION", "BEAT", "CLIENTS", "REQUESTS", "TOKENS",
+             "EXPERTS PER MOE LAYER")]
+    for m in servers:
+        held = "; ".join(f"{layer}: {ranges(ids)}" for layer, ids in sorted(m.holdings().items()))
+        rows.append((m.id, m.status, m.incarnation[:16], f"{m.beat_age:.2f}s",
+                     str(m.load.get("clients", "-")), str(m.load.get("requests", "-")),
+                     str(m.load.get("tokens", "-")), held))
+    lines += _table(rows)
+    lines += ["", "coverage (live serving holders per expert):"]
+    for fingerprint, group in sorted(_by_model(servers).items()):
+        layers = sorted({layer for m in group for layer in m.holdings()})
+        for layer in layers:
+            count = Counter(e for m in group if m.status == SERVING
+                            for e in m.holdings().get(layer, ()))
+            experts = range(max(m.num_experts for m in group))
+            missing = [e for e in experts if count[e] == 0]
+            spread = Counter(count[e] for e in experts if count[e])
+            shape = ", ".join(f"{n} experts x{r}" for r, n in sorted(spread.items()))
+            lines.append(f"  model {fingerprint[:12]} layer {layer}: {shape or 'none'}"
+                         + (f"; NO LIVE HOLDER for experts {ranges(missing)}" if missing else ""))
+    if snapshot.clients():
+        lines += ["", "clients: " + ", ".join(sorted(m.id for m in snapshot.clients()))]
+    if snapshot.departures:
+        lines += ["", "latest departures:"]
+        lines += [f"  {d.kind} {d.id} ({d.incarnation[:16]}): {d.why}"
+                  for d in snapshot.departures[-10:]]
+    return "\n".join(lines)
+
+
+def _by_model(servers: list[Member]) -> dict[str, list[Member]]:
+    out: dict[str, list[Member]] = {}
+    for m in servers:
+        out.setdefault(m.fingerprint, []).append(m)
+    return out
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sglang_eaas.status",
+                                description="Print the live expert tier as a monitor sees it.")
+    p.add_argument("--monitor", required=True, metavar="ADDR",
+                   help="the monitor: HOST:PORT (an SGLang launcher's embedded monitor, shown in "
+                   "its log, or a standalone one) or etcd://HOST:PORT")
+    p.add_argument("--token", default=None,
+                   help=f"the shared token (default: the {envs.TOKEN.name} environment variable)")
+    p.add_argument("--json", action="store_true", help="print the monitor's snapshot as JSON")
+    args = p.parse_args(argv)
+    try:
+        parse_monitor(args.monitor, embedded_ok=False)
+    except ValueError as exc:
+        p.error(f"--monitor: {exc}")
+    token = envs.TOKEN.get() if args.token is None else args.token
+    if not token:
+        p.error(f"the monitor needs the shared token: pass --token or set {envs.TOKEN.name}")
+    try:
+        backend = connect(args.monitor, token)
+        try:
+            snapshot = backend.watch(-1, 0.0)
+        finally:
+            backend.close()
+    except TransportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(snapshot.to_message(), indent=2) if args.json
+          else render(snapshot, args.monitor))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
