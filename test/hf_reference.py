@@ -65,3 +65,25 @@ def assert_matches_hf(out: torch.Tensor, hf_experts, layer, x, ids, weights) -> 
     reference = hf_expert_sum(hf_experts[layer], x, ids, weights)
     torch.testing.assert_close(out, reference, rtol=1e-6,
                                atol=1e-6 * float(reference.abs().max()))
+
+
+def hf_greedy_routes(model_path: Path, prompts: list[list[int]], max_new_tokens: int
+                     ) -> list[tuple[list[int], dict[int, set[int]]]]:
+    """For each token-id prompt: transformers' greedy output, and per MoE layer the experts its
+    tokens are routed to on the way (the prompt and every output token but the last, which no
+    forward pass reads: ``topk`` of the router logits, as SGLang's TopK picks them)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    top_k = model.config.num_experts_per_tok
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    results = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, generation_config=config)[0, len(prompt):].tolist()
+            seen = torch.tensor([prompt + out[:-1]])
+            logits = model(seen, output_router_logits=True).router_logits
+        layers = {layer: set(torch.topk(lg, top_k, dim=-1).indices.flatten().tolist())
+                  for layer, lg in enumerate(logits)}
+        results.append((out, layers))
+    return results

@@ -53,7 +53,8 @@ def render(snapshot: Snapshot, monitor: str) -> str:
             experts = range(max(m.num_experts for m in group))
             missing = [e for e in experts if count[e] == 0]
             spread = Counter(count[e] for e in experts if count[e])
-            shape = ", ".join(f"{n} experts x{r}" for r, n in sorted(spread.items()))
+            shape = ", ".join(f"{n} with {r} holder{'s' if r > 1 else ''}"
+                              for r, n in sorted(spread.items()))
             lines.append(f"  model {fingerprint[:12]} layer {layer}: {shape or 'none'}"
                          + (f"; NO LIVE HOLDER for experts {ranges(missing)}" if missing else ""))
     if snapshot.clients():

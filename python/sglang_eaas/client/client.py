@@ -139,8 +139,6 @@ class EaasClient:
     def begin_step(self, explicit: bool = True) -> None:
         """A step starts: adopt a staged view; forget the last step's failures."""
         self._explicit_steps |= explicit
-        if self.tier.evicted:
-            self._install(self.tier.recover())
         with self._lock:
             self.in_step = True
             self._failed = {}

@@ -10,8 +10,9 @@ of its servers), which the data path (``EaasClient``) adopts between steps:
 * the data path saw a server fail (no answer within the result timeout, a broken connection):
   ``lose`` drops it at once and reports it to the monitor, which evicts it (it is used again
   only once it has registered again);
-* the monitor lost *this* client (``evicted``): its servers took its slots back, so the data
-  path calls ``recover`` to join them all again.
+* the monitor lost *this* client (``evicted``: it hung, say): its servers took its slots
+  back, so once it has registered again, ``recover`` joins them all afresh;
+* a server's control connection closed (the fastest sign of a crash): drop it, next view.
 
 A dropped connection is closed only once the data path has adopted a view without it, so no
 step ever uses a closed connection. Servers given at launch that the monitor does not know are
@@ -254,25 +255,26 @@ class ClientTier:
 
     def recover(self) -> View:
         """This client was lost by the monitor (a hang, say), so its servers took its slots
-        back: once it has registered again, join them all afresh."""
-        deadline = time.monotonic() + 10 * self.settings.heartbeat + 2
-        while self.presence is not None and self.presence.member is None:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(self.settings.heartbeat / 4)
+        back; it has registered again: join them all afresh, then swap the new connections in
+        at once (a wait on an old slot stops, and its tokens go to the new connections)."""
         self.evicted = False
+        old = self.live_connections()
+        fresh = {}
+        for address, conn in old.items():
+            try:
+                fresh[address] = self._join(address, conn.incarnation)
+            except TransportError as exc:
+                logger.warning("sglang-eaas: cannot join %s again: %s", address, exc)
         with self._lock:
-            old = list(self._conns.values())
-            for conn in old:
-                self._drop(conn, "this client was lost by the monitor: joining again",
-                           lost=True)
-            for conn in old:
-                try:
-                    self._conns[conn.address] = self._join(conn.address, conn.incarnation)
-                except TransportError as exc:
-                    logger.warning("sglang-eaas: cannot join %s again: %s", conn.address, exc)
-            logger.warning("sglang-eaas: this client was lost by the monitor; joined %d expert "
-                           "servers again", len(self._conns))
+            for address, conn in old.items():
+                if self._conns.get(address) is conn:
+                    del self._conns[address]
+                    conn.lost_why = "this client was lost by the monitor and joined again"
+                    self._retired.append((self._epoch + 1, conn))
+            self._conns.update(fresh)
+            self.stats["recoveries"] += 1
+            logger.warning("sglang-eaas: this client was lost by the monitor (a hang?); joined "
+                           "%d of its %d expert servers again", len(fresh), len(old))
             return self._build()
 
     # -- the watcher thread ----------------------------------------------------------------
@@ -298,6 +300,8 @@ class ClientTier:
                 logger.exception("sglang-eaas: following the expert tier failed")
 
     def _follow(self, snapshot: Snapshot | None) -> None:
+        if self.evicted and self.presence is not None and self.presence.member is not None:
+            self.on_view(self.recover())  # registered again: join every server afresh
         changed = snapshot is not None and snapshot.revision != self._revision
         view = self._apply(snapshot) if changed else None
         rejoined = self._rejoin_static()
