@@ -22,6 +22,7 @@ setup(
     extras_require={
         "gpu": ["sglang==0.5.23"],
         "test": ["pytest>=8", "hypothesis>=6", "requests>=2.31"],
+        "bench": ["matplotlib>=3.7"],  # scripts/bench_faults.py's plot
     },
     entry_points={
         "sglang.srt.plugins": ["eaas = sglang_eaas.plugin:register"],

@@ -81,15 +81,15 @@ if [[ $mode == cpu ]]; then
   step "[4/6] Mooncake Transfer Engine, CPU build, and what the device backend's CUDA sources" \
     "compile with (requirements/ibgda-cpu.txt, requirements/ibgda-cuda-build.txt)"
   pip_install -r "$root/requirements/ibgda-cpu.txt" -r "$root/requirements/ibgda-cuda-build.txt"
-  step "[5/6] sglang-eaas (editable, with test extras; builds ibgda's native module)"
-  pip_install -e "$root[test]"
+  step "[5/6] sglang-eaas (editable, with test and benchmark extras; builds ibgda's native module)"
+  pip_install -e "$root[test,bench]"
   step "[6/6] CPU runtime start-up hook"
   "$venv/bin/python" -m sglang_eaas.cpu_runtime install
 else
   step "[1/3] sglang 0.5.23 with its GPU stack, and Mooncake's CUDA build (untested)"
   pip_install "sglang==0.5.23" mooncake-transfer-engine -r "$root/requirements/ibgda-cuda-build.txt"
-  step "[2/3] sglang-eaas (editable, with test extras)"
-  pip_install -e "$root[gpu,test]"
+  step "[2/3] sglang-eaas (editable, with test and benchmark extras)"
+  pip_install -e "$root[gpu,test,bench]"
   step "[3/3] ibgda's device backend, native side (python -m ibgda.build_native; never run)"
   "$venv/bin/python" -m ibgda.build_native
 fi

@@ -216,6 +216,34 @@ def test_device_path_failures_reach_the_host(client_of, servers, tiny_qwen3):
         os.kill(servers[1].process.pid, signal.SIGCONT)
 
 
+def test_the_device_path_fails_over_to_the_other_holders(client_of, servers, tiny_qwen3):
+    """A server that does not answer is dropped and the layer is run again without it: the
+    entries of the replicated expert 0 all go to server 0, the sums are the host path's, and
+    rows that need experts only the dropped server holds are recorded as failed."""
+    info = MoeModelInfo.from_model_path(tiny_qwen3)
+    patient, host = client_of("device-failover", timeout=0.5), client_of("failover-reference")
+    host.device_step = None
+    x, _, weights = _batch(info, 4, seed=9)
+    held_by_0 = torch.tensor([[0, 1], [2, 0], [3, 0], [0, 1]])  # expert 0: both hold it
+    expected = host.forward(0, x, held_by_0, weights)
+    assert patient.device_step is not None
+    os.kill(servers[1].process.pid, signal.SIGSTOP)
+    try:
+        patient.begin_step()
+        out = patient.forward(0, x, held_by_0, weights)
+        orphaned = patient.forward(1, x, torch.tensor([[0, 4], [1, 2], [6, 7], [3, 0]]), weights)
+        failed = patient.end_step()
+        left = patient.table.servers  # (a resumed server given at launch is joined again)
+        assert patient.device_step is not None and patient.device_step.servers == left
+    finally:
+        os.kill(servers[1].process.pid, signal.SIGCONT)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert left == (servers[0].address,)
+    assert failed == {0: "experts [4] of MoE layer 1 have no live expert server",
+                      2: "experts [6, 7] of MoE layer 1 have no live expert server"}
+    assert orphaned.shape == x.shape
+
+
 # A client that believes server 0 holds expert 5: whatever it sends there with a 5 is rejected.
 WRONG_PLACEMENT = [[0, 1, 2, 3, 5], [4, 6, 7, 0]]
 SERVER_1_EXPERTS = [4, 6, 7]  # under both routings (expert 0, replicated, is left out)

@@ -63,7 +63,10 @@ class ServerConnection:
         """Leave the slot (OFFLINE), wait for the server to take it back, close the control
         channel. A server that is already gone needs no goodbye."""
         if self.slot is not None:
-            self.slot.leave()
+            # The slot is ours to mark OFFLINE only while the server has not taken it back
+            # (it closes the connection when it does, and may hand the slot to another client).
+            if not self.closed_by_server():
+                self.slot.leave()
             self.slot = None
             try:
                 self._channel.settimeout(LEAVE_TIMEOUT)  # a hung server must not hang our exit

@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 RETRY = 2.0  # seconds between attempts to join a server that failed to join
 WATCH = 5.0  # seconds one monitor watch call waits for a change
 CLOSES_POLL = 0.1  # seconds between looks at which control connections a server closed
+START_TIMEOUT = 30.0  # seconds a server given at launch may take to answer a join
+JOIN_TIMEOUT = 5.0  # at runtime (a hung server must not hold the tier thread for long)
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ class ClientTier:
                 snapshot = self.backend.watch(-1, 0.0)
             for address in s.addresses:  # each must answer now, as at any launch
                 known = snapshot and {m.id: m for m in snapshot.servers()}.get(address)
-                self._conns[address] = self._join(address, known.incarnation if known else "")
+                self._conns[address] = self._join(address, known.incarnation if known else "",
+                                                  timeout=START_TIMEOUT)
             self._check_expected()
             view = self._apply(snapshot) if snapshot else self._build()
             view = self._wait_for_experts(view)
@@ -131,10 +134,11 @@ class ClientTier:
 
         return envs.TOKEN.get() if self.settings.token is None else self.settings.token
 
-    def _join(self, address: str, incarnation: str) -> ServerConnection:
+    def _join(self, address: str, incarnation: str, timeout: float = JOIN_TIMEOUT
+              ) -> ServerConnection:
         return ServerConnection(address, self.client_id, self.model, self.dtype,
                                 token=self._token(), transport=self.settings.transport,
-                                incarnation=incarnation,
+                                timeout=timeout, incarnation=incarnation,
                                 client_incarnation=self.presence.incarnation
                                 if self.presence else "")
 

@@ -194,8 +194,8 @@ class ExpertServer:
         for member in lost:
             logger.warning("client %s was lost: slot %d taken back", member.client, member.index)
             self.stats["clients_lost"] += 1
+            member.disconnect()  # first: a client that sees its connection open owns its slot
             member.release()
-            member.disconnect()
 
     def drain(self, request: Drain) -> int:
         """Leave the tier gracefully (``protocol/control.py``'s ``Drain``); the number of

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import json
 import reprlib
+import select
 import socket
 import typing
 from dataclasses import MISSING, fields
@@ -173,12 +174,12 @@ class Channel:
         return self._sock
 
     def closed_by_peer(self) -> bool:
-        """Whether the peer has closed the connection (a non-blocking peek)."""
+        """Whether the peer has closed the connection: a peek, only once the socket is
+        readable (a socket with a timeout waits for data even with MSG_DONTWAIT)."""
         try:
-            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            return bool(readable) and self._sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):  # reset, or closed here
             return True
 
     def close(self) -> None:

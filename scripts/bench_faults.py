@@ -1,0 +1,312 @@
+"""Benchmark: decode throughput of a replicated deployment while expert servers are killed one by
+one, against the same deployment without failures (the EaaS paper's Fig. 10 protocol, §5.4, at
+CPU scale).
+
+One SGLang server (--eaas, embedded monitor) on the bench checkpoint with N local expert servers,
+each expert on R of them. A closed loop of C concurrent streaming requests runs for D seconds
+twice: first with no failure (the baseline), then with K servers killed (kill -9, or SIGSTOP with
+--fault stop) at even intervals; the replicas take over, nothing is restarted. From the streamed
+chunks' arrival times it reports the average decode throughput of both runs and the drop, for each
+failure the longest stall of any request between two of its tokens and the time from the failure
+to full throughput, the failed requests, and a plot of throughput over time (PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from sglang_eaas import cpu_runtime, envs
+from sglang_eaas.config import RESULT_TIMEOUT
+from sglang_eaas.monitor import connect
+from sglang_eaas.protocol.control import probe
+from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
+from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError, free_port
+
+from bench_lib.report import Report, default_out
+
+ROOT = Path(__file__).resolve().parent.parent
+WARMUP = 3.0  # seconds at the start of each run left out of the averages (prefill ramp)
+FULL = 0.9  # "full throughput": a 1 s window at >= this share of the baseline's median window
+
+
+def say(message: str) -> None:
+    print(f"bench: {message}", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="The default run takes about 3 minutes on 2 CPU cores (one server start, two "
+        "60 s runs). Run it on an otherwise idle machine.")
+    p.add_argument("--servers", type=int, default=4, help="expert servers; default 4")
+    p.add_argument("--replicas", type=int, default=3,
+                   help="holders of each expert (at most --servers); default 3")
+    p.add_argument("--kills", type=int, default=2,
+                   help="servers failed one by one in the fault run (at most --replicas - 1, so "
+                   "every expert keeps a holder); default 2")
+    p.add_argument("--fault", choices=["kill", "stop"], default="kill",
+                   help="kill -9, or SIGSTOP (a hung server, found by the monitor's heartbeats); "
+                   "default kill")
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="seconds of load per run; default 60")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="concurrent streaming requests, each replaced when it ends; default 8")
+    p.add_argument("--input-len", type=int, default=16, help="prompt tokens; default 16")
+    p.add_argument("--output-len", type=int, default=256,
+                   help="tokens per request (ignore_eos); default 256")
+    p.add_argument("--bin", type=float, default=0.5,
+                   help="seconds per point of the throughput plot; default 0.5")
+    p.add_argument("--log-dir", type=Path, default=ROOT / ".cache" / "logs",
+                   help="where the server logs go; default .cache/logs")
+    p.add_argument("--out", type=Path, default=default_out("faults"),
+                   help="markdown report; default %(default)s")
+    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "bench_faults.png",
+                   help="PNG of throughput over time; default %(default)s")
+    args = p.parse_args()
+    if not 1 <= args.replicas <= args.servers:
+        p.error("--replicas must be between 1 and --servers")
+    if not 0 <= args.kills < args.replicas:
+        p.error("--kills must be below --replicas, or some expert loses its last holder")
+    if (min(args.concurrency, args.input_len) < 1 or args.output_len < 2
+            or args.duration <= 2 * WARMUP):
+        p.error(f"--concurrency and --input-len must be >= 1, --output-len >= 2, --duration > "
+                f"{2 * WARMUP:.0f}")
+    return args
+
+
+def placement(servers: int, replicas: int, experts: int) -> dict[str, list[int]]:
+    """Expert e on servers e, e+1, ..., e+R-1 (mod N): any R-1 failures leave a holder."""
+    return {f"local:{s}": [e for e in range(experts)
+                           if any((e + j) % servers == s for j in range(replicas))]
+            for s in range(servers)}
+
+
+@dataclass
+class Run:
+    """What the load saw: every token's arrival, per request, and the requests that failed."""
+
+    started: float
+    arrivals: list[list[float]] = field(default_factory=list)  # per request: each token's time
+    failed: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def load(url: str, args, vocab: int, seed: int, faults=lambda run: None) -> Run:
+    """``--concurrency`` closed loops of streaming requests for ``--duration`` seconds;
+    ``faults(run)`` runs meanwhile (in its own thread)."""
+    run, stop = Run(time.perf_counter()), threading.Event()
+
+    def loop(worker: int) -> None:
+        rng = random.Random(seed * 1000 + worker)
+        while not stop.is_set():
+            prompt = [rng.randrange(vocab) for _ in range(args.input_len)]
+            times, reason = [], None
+            body = {"input_ids": prompt, "stream": True, "sampling_params": {
+                "max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}}
+            try:
+                with requests.post(f"{url}/generate", json=body, stream=True,
+                                   timeout=120) as response:
+                    response.raise_for_status()
+                    for line in response.iter_lines():
+                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                            continue
+                        chunk = json.loads(line[len(b"data: "):])
+                        times += [time.perf_counter()] * (
+                            chunk["meta_info"]["completion_tokens"] - len(times))
+                        reason = chunk["meta_info"]["finish_reason"]
+                        if stop.is_set():
+                            break
+            except requests.RequestException as exc:
+                reason = {"type": "error", "message": str(exc)}
+            with run.lock:
+                run.arrivals.append(times)
+                if not stop.is_set() and (reason or {}).get("type") != "length":
+                    run.failed.append(json.dumps(reason)[:300])
+
+    workers = [threading.Thread(target=loop, args=(w,)) for w in range(args.concurrency)]
+    for w in workers:
+        w.start()
+    fault_thread = threading.Thread(target=faults, args=(run,))
+    fault_thread.start()
+    time.sleep(args.duration)
+    stop.set()
+    for w in workers:
+        w.join()
+    fault_thread.join()
+    return run
+
+
+def tokens_between(run: Run, start: float, end: float) -> int:
+    return sum(start <= t - run.started < end for times in run.arrivals for t in times)
+
+
+def throughput(run: Run, start: float, end: float) -> float:
+    return tokens_between(run, start, end) / (end - start)
+
+
+def longest_gap(run: Run, start: float, end: float) -> float:
+    """The longest wait of any request between two of its tokens (or from the window's start
+    to its next token) within [start, end), in seconds."""
+    longest = 0.0
+    for times in run.arrivals:
+        rel = [t - run.started for t in times]
+        for a, b in zip(rel, rel[1:]):
+            if b >= start and a < end:
+                longest = max(longest, b - max(a, start))
+    return longest
+
+
+def windows(run: Run, duration: float) -> list[float]:
+    """Throughput of every 1 s window after the warm-up, in 0.1 s steps."""
+    return [throughput(run, t / 10, t / 10 + 1) for t in range(int(WARMUP * 10),
+                                                                  int((duration - 1) * 10))]
+
+
+def recovery(run: Run, kill_at: float, full: float, duration: float) -> float | None:
+    """Seconds from ``kill_at`` to the first 1 s window at full throughput."""
+    t = kill_at
+    while t + 1 <= duration:
+        if throughput(run, t, t + 1) >= full:
+            return t - kill_at
+        t += 0.1
+    return None
+
+
+def plot(path: Path, base: Run, faulty: Run, kills: list[float], args) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("no plot: matplotlib is missing (pip install -e '.[bench]')")
+        return
+    edges = [i * args.bin for i in range(int(args.duration / args.bin))]
+    fig, ax = plt.subplots(figsize=(9, 3.6), dpi=110)
+    for run, label in ((base, "no failure"), (faulty, f"{len(kills)} servers {args.fault}ed")):
+        ax.plot([e + args.bin / 2 for e in edges],
+                [throughput(run, e, e + args.bin) for e in edges], label=label)
+    for i, at in enumerate(kills):
+        ax.axvline(at, color="red", linestyle="--", linewidth=1,
+                   label="failure" if i == 0 else None)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"{args.servers} expert servers, each expert on {args.replicas}; "
+                 f"{args.concurrency} concurrent streams")
+    ax.legend(loc="lower right")
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    say(f"plot saved to {path}")
+
+
+def main() -> int:
+    args = parse_args()
+    report = Report(args.out)
+    model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
+    config = json.loads((model / "config.json").read_text())
+    plan = placement(args.servers, args.replicas, config["num_experts"])
+    placement_file = args.log_dir / "bench-faults-placement.json"
+    placement_file.parent.mkdir(parents=True, exist_ok=True)
+    placement_file.write_text(json.dumps({"servers": plan}))
+    monitor = f"127.0.0.1:{free_port()}"
+    os.environ.setdefault(envs.TOKEN.name, os.urandom(16).hex())
+    base_args = CPU_ARGS if cpu_runtime.is_active() else ()
+    log_path = args.log_dir / "bench-faults.log"
+    say(f"starting SGLang --eaas with {args.servers} expert servers (log: {log_path})")
+    try:
+        server = SGLangServer(model, *base_args, "--eaas", "--eaas-placement", str(placement_file),
+                              "--eaas-monitor", f"embedded:{monitor}", log_path=log_path).start()
+    except ServerError as exc:
+        print(f"bench: error: SGLang failed to start: {exc}", file=sys.stderr)
+        return 1
+    try:
+        watcher = connect(monitor, envs.TOKEN.get())
+        servers = sorted(m.id for m in watcher.watch(-1, 0.0).servers())
+        watcher.close()
+        kill_at = [args.duration * (i + 1) / (args.kills + 1) for i in range(args.kills)]
+        victims = servers[:args.kills]
+        pids = {a: probe(a, envs.TOKEN.get())["pid"] for a in victims}
+        sig = signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP
+
+        def faults(run: Run) -> None:
+            for at, victim in zip(kill_at, victims):
+                time.sleep(max(0.0, run.started + at - time.perf_counter()))
+                os.kill(pids[victim], sig)
+                say(f"  {args.fault} {victim} at {time.perf_counter() - run.started:.1f} s")
+
+        say(f"baseline: {args.concurrency} streams for {args.duration:.0f} s, no failure")
+        base = load(server.url, args, config["vocab_size"], seed=1)
+        say(f"fault run: the same, {args.fault} {len(victims)} servers at "
+            f"{', '.join(f'{t:.0f}' for t in kill_at)} s")
+        faulty = load(server.url, args, config["vocab_size"], seed=1, faults=faults)
+    finally:
+        for pid in (pids.values() if "pids" in locals() else ()):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        server.stop()
+
+    span = (WARMUP, args.duration)
+    base_avg, fault_avg = throughput(base, *span), throughput(faulty, *span)
+    full = FULL * statistics.median(windows(base, args.duration))
+    base_gap = longest_gap(base, *span)
+    drop = 1 - fault_avg / base_avg
+    lines = [
+        f"bench checkpoint `{model.name}`; {args.servers} local expert servers, each expert on "
+        f"{args.replicas} (embedded monitor, result timeout {RESULT_TIMEOUT:g} s); "
+        f"{args.concurrency} concurrent streaming requests ({args.input_len} random prompt "
+        f"tokens, {args.output_len} output tokens, each replaced when it ends) for "
+        f"{args.duration:.0f} s per run; averages leave out the first {WARMUP:.0f} s:",
+        "",
+        "| run | decode tok/s | vs no failure | failed requests | longest wait between two "
+        "tokens of a request |",
+        "|---|---:|---:|---:|---:|",
+        f"| no failure | {base_avg:.1f} | 1.00x | {len(base.failed)} | {base_gap * 1e3:.0f} ms |",
+        f"| {args.kills} servers {args.fault}ed | {fault_avg:.1f} | {fault_avg / base_avg:.3f}x "
+        f"| {len(faulty.failed)} | {longest_gap(faulty, *span) * 1e3:.0f} ms |",
+        "",
+        "| failure | at | server | longest wait between two tokens of a request, the 3 s "
+        "after | time to full throughput |",
+        "|---:|---:|---|---:|---:|",
+    ]
+    stalls = []
+    for i, (at, victim) in enumerate(zip(kill_at, victims)):
+        stall = longest_gap(faulty, at, at + 3)
+        stalls.append(stall)
+        back = recovery(faulty, at, full, args.duration)
+        lines.append(f"| {i + 1} | {at:.0f} s | {victim} | {stall * 1e3:.0f} ms | "
+                     + (f"{back:.1f} s |" if back is not None else "not within the run |"))
+    lines += [
+        "",
+        f"Full throughput: a 1 s window at {FULL:.0%} of the no-failure run's median window "
+        f"({full:.1f} tok/s). Goals (issue 10): average drop <= 2% ({drop:.1%}: "
+        f"{'met' if drop <= 0.02 else 'NOT met'}); longest stall <= result timeout + 0.5 s = "
+        f"{RESULT_TIMEOUT + 0.5:g} s ({max(stalls, default=0):.2f} s: "
+        f"{'met' if max(stalls, default=0) <= RESULT_TIMEOUT + 0.5 else 'NOT met'}); zero failed "
+        f"requests ({len(faulty.failed)}: {'met' if not faulty.failed else 'NOT met'}).",
+    ]
+    if faulty.failed:
+        lines.append("First failures: " + "; ".join(faulty.failed[:3]))
+    report.add("\n".join(lines))
+    plot(args.plot, base, faulty, kill_at, args)
+    report.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
