@@ -29,6 +29,7 @@ import requests
 
 from sglang_eaas import cpu_runtime, envs
 from sglang_eaas.config import RESULT_TIMEOUT
+from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor import connect
 from sglang_eaas.protocol.control import probe
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
@@ -39,6 +40,7 @@ from bench_lib.report import Report, default_out
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 3.0  # seconds at the start of each run left out of the averages (prefill ramp)
 FULL = 0.9  # "full throughput": a 1 s window at >= this share of the baseline's median window
+DONE = {"kill": "killed (kill -9)", "stop": "hung (SIGSTOP)"}
 
 
 def say(message: str) -> None:
@@ -195,7 +197,7 @@ def plot(path: Path, base: Run, faulty: Run, kills: list[float], args) -> None:
         return
     edges = [i * args.bin for i in range(int(args.duration / args.bin))]
     fig, ax = plt.subplots(figsize=(9, 3.6), dpi=110)
-    for run, label in ((base, "no failure"), (faulty, f"{len(kills)} servers {args.fault}ed")):
+    for run, label in ((base, "no failure"), (faulty, f"{len(kills)} servers {DONE[args.fault]}")):
         ax.plot([e + args.bin / 2 for e in edges],
                 [throughput(run, e, e + args.bin) for e in edges], label=label)
     for i, at in enumerate(kills):
@@ -218,7 +220,8 @@ def main() -> int:
     report = Report(args.out)
     model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
     config = json.loads((model / "config.json").read_text())
-    plan = placement(args.servers, args.replicas, config["num_experts"])
+    plan = placement(args.servers, args.replicas,
+                     MoeModelInfo.from_model_path(model).num_experts)
     placement_file = args.log_dir / "bench-faults-placement.json"
     placement_file.parent.mkdir(parents=True, exist_ok=True)
     placement_file.write_text(json.dumps({"servers": plan}))
@@ -277,7 +280,7 @@ def main() -> int:
         "tokens of a request |",
         "|---|---:|---:|---:|---:|",
         f"| no failure | {base_avg:.1f} | 1.00x | {len(base.failed)} | {base_gap * 1e3:.0f} ms |",
-        f"| {args.kills} servers {args.fault}ed | {fault_avg:.1f} | {fault_avg / base_avg:.3f}x "
+        f"| {args.kills} servers {DONE[args.fault]} | {fault_avg:.1f} | {fault_avg / base_avg:.3f}x "
         f"| {len(faulty.failed)} | {longest_gap(faulty, *span) * 1e3:.0f} ms |",
         "",
         "| failure | at | server | longest wait between two tokens of a request, the 3 s "
