@@ -197,7 +197,8 @@ def plot(path: Path, base: Run, faulty: Run, kills: list[float], args) -> None:
         return
     edges = [i * args.bin for i in range(int(args.duration / args.bin))]
     fig, ax = plt.subplots(figsize=(9, 3.6), dpi=110)
-    for run, label in ((base, "no failure"), (faulty, f"{len(kills)} servers {DONE[args.fault]}")):
+    faulty_label = f"{len(kills)} servers {DONE[args.fault]}"
+    for run, label in ((base, "no failure"), (faulty, faulty_label)):
         ax.plot([e + args.bin / 2 for e in edges],
                 [throughput(run, e, e + args.bin) for e in edges], label=label)
     for i, at in enumerate(kills):
