@@ -280,7 +280,8 @@ def main() -> int:
         "| run | decode tok/s | vs no failure | failed requests | longest wait between two "
         "tokens of a request |",
         "|---|---:|---:|---:|---:|",
-        f"| no failure | {base_avg:.1f} | 1.00x | {len(base.failed)} | {base_gap * 1e3:.0f} ms |",
+        f"| no failure | {base_avg:.1f} | 1.00x | {len(base.failed)} | "
+        f"{base_gap * 1e3:.0f} ms |",
         f"| {args.kills} servers {DONE[args.fault]} | {fault_avg:.1f} | {fault_avg / base_avg:.3f}x "
         f"| {len(faulty.failed)} | {longest_gap(faulty, *span) * 1e3:.0f} ms |",
         "",

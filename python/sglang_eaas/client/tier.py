@@ -88,6 +88,8 @@ class ClientTier:
         self._retired: list[tuple[int, ServerConnection]] = []  # closed once adopted past
         self._failed_joins: dict[tuple[str, str], float] = {}  # (id, incarnation) -> retry at
         self._static = set(settings.addresses)
+        self._known: set[str] = set()  # servers the monitor has listed (it tells their fate)
+        self._dead: set[tuple[str, str]] = set()  # (id, incarnation) that failed this client
         self._epoch = -1  # the first view is epoch 0
         self.adopted_epoch = 0  # the data path's current view (it sets this)
         self.evicted = False
@@ -101,6 +103,8 @@ class ClientTier:
                                          daemon=True)
         self._closes = threading.Thread(target=self._watch_closes, name="eaas-client-closes",
                                         daemon=True)
+        self._rejoins = threading.Thread(target=self._rejoin_static, name="eaas-client-rejoins",
+                                         daemon=True)
 
     # -- start -----------------------------------------------------------------------------
     def start(self) -> View:
@@ -127,6 +131,7 @@ class ClientTier:
             raise
         self._watcher.start()
         self._closes.start()
+        self._rejoins.start()
         return view
 
     def _token(self) -> str:
@@ -183,6 +188,7 @@ class ClientTier:
         """Follow the monitor: drop what left, join what came; the next view."""
         self._revision = snapshot.revision
         servers = {m.id: m for m in snapshot.servers(self.model.fingerprint)}
+        self._known |= set(servers)  # followed through the monitor from now on
         why_gone = {d.id: d.why for d in snapshot.departures}
         with self._lock:
             for sid, conn in list(self._conns.items()):
@@ -198,8 +204,9 @@ class ClientTier:
         for sid, m in servers.items():
             if m.status != SERVING or sid in self._conns:
                 continue
-            if time.monotonic() < self._failed_joins.get((sid, m.incarnation), 0.0):
-                continue
+            if ((sid, m.incarnation) in self._dead
+                    or time.monotonic() < self._failed_joins.get((sid, m.incarnation), 0.0)):
+                continue  # failed this client: used again only as a new incarnation
             try:
                 conn = self._join(sid, m.incarnation)
             except TransportError as exc:
@@ -220,6 +227,8 @@ class ClientTier:
         del self._conns[conn.address]
         if lost and conn.lost_why is None:
             conn.lost_why = why
+        if lost and conn.incarnation:
+            self._dead.add((conn.address, conn.incarnation))
         self._retired.append((self._epoch + 1, conn))
         self.stats["drops"] += 1
         if lost:
@@ -307,12 +316,8 @@ class ClientTier:
         if self.evicted and self.presence is not None and self.presence.member is not None:
             self.on_view(self.recover())  # registered again: join every server afresh
         changed = snapshot is not None and snapshot.revision != self._revision
-        view = self._apply(snapshot) if changed else None
-        rejoined = self._rejoin_static()
-        if rejoined or (view is None and changed):
-            view = self._build()
-        if view is not None:
-            self.on_view(view)
+        if changed:
+            self.on_view(self._apply(snapshot))
 
     def _watch_closes(self) -> None:
         """The fastest sign of a crashed server: its kernel closes our control connection at
@@ -344,25 +349,24 @@ class ClientTier:
                 view = self._build()
             self.on_view(view)
 
-    def _rejoin_static(self) -> bool:
-        """Join again the servers given at launch that the monitor does not know and that
-        failed, once they answer."""
-        with self._lock:
-            missing = [a for a in self._static if a not in self._conns]
-        joined = False
-        for address in missing:
-            if time.monotonic() < self._failed_joins.get((address, ""), 0.0):
-                continue
-            try:
-                conn = self._join(address, "")
-            except TransportError:
-                self._failed_joins[(address, "")] = time.monotonic() + RETRY
-                continue
+    def _rejoin_static(self) -> None:
+        """Join again, once they answer, the servers given at launch that the monitor has never
+        known and that failed (on a thread of its own: a hung server makes a join wait)."""
+        while not self._stop.wait(RETRY):
             with self._lock:
-                self._conns[address] = conn
-            joined = True
-            logger.info("sglang-eaas: expert server %s answers again; back in the table", address)
-        return joined
+                missing = [a for a in self._static if a not in self._conns
+                           and a not in self._known]
+            for address in missing:
+                try:
+                    conn = self._join(address, "")
+                except TransportError:
+                    continue
+                with self._lock:
+                    self._conns[address] = conn
+                    view = self._build()
+                logger.info("sglang-eaas: expert server %s answers again; back in the table",
+                            address)
+                self.on_view(view)
 
     def _close_adopted(self) -> None:
         with self._lock:
@@ -373,7 +377,7 @@ class ClientTier:
 
     def close(self) -> None:
         self._stop.set()
-        for thread in (self._watcher, self._closes):
+        for thread in (self._watcher, self._closes, self._rejoins):
             if thread.is_alive():
                 thread.join(timeout=WATCH + 1)
         with self._lock:
