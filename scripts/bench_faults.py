@@ -74,9 +74,11 @@ def parse_args() -> argparse.Namespace:
                    help="where the server logs go; default .cache/logs")
     p.add_argument("--out", type=Path, default=default_out("faults"),
                    help="markdown report; default %(default)s")
-    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "bench_faults.png",
-                   help="PNG of throughput over time; default %(default)s")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="PNG of throughput over time; default: --out with .png (bench_paste "
+                   "copies it to docs/img/)")
     args = p.parse_args()
+    args.plot = args.plot or args.out.with_suffix(".png")
     if not 1 <= args.replicas <= args.servers:
         p.error("--replicas must be between 1 and --servers")
     if not 0 <= args.kills < args.replicas:

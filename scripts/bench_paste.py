@@ -2,8 +2,10 @@
 
 Every block of the doc between ``<!-- report: .cache/bench/NAME.md -->`` and
 ``<!-- end of report -->`` is replaced by that file, as the benchmark script wrote it (the
-header with command, commit, date and machine, then the tables). Nothing else in the doc
-changes. Run it after the benchmark scripts:
+header with command, commit, date and machine, then the tables). A report's plot, when the
+script made one (``.cache/bench/NAME.png``), is copied to ``docs/img/NAME.png``. Nothing else
+in the doc changes. (Scripts write only under .cache, so a run never finds the work tree
+dirty because of an earlier one.) Run it after the benchmark scripts:
 
     .venv/bin/python scripts/bench_paste.py [--doc docs/benchmarks.md]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -59,6 +62,13 @@ def main() -> int:
         return 1
     args.doc.write_text(text)
     print(f"bench_paste: {args.doc}: pasted {', '.join(used)}")
+    for report in used:
+        plot = (ROOT / report).with_suffix(".png")
+        if plot.is_file():
+            target = args.doc.parent / "img" / plot.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(plot, target)
+            print(f"bench_paste: copied {plot.relative_to(ROOT)} to {target.relative_to(ROOT)}")
     return 0
 
 
