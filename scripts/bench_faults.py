@@ -303,7 +303,8 @@ def main() -> int:
         "",
         f"Full throughput: a 1 s window at {FULL:.0%} of the no-failure run's median window "
         f"({full:.1f} tok/s). Goals (issue 10): an average drop of at most 2% (average "
-        f"throughput {-drop:+.1%}: {'met' if drop <= 0.02 else 'NOT met'}); longest stall <= result timeout + 0.5 s = "
+        f"throughput {-drop:+.1%}: {'met' if drop <= 0.02 else 'NOT met'}); longest stall "
+        f"<= result timeout + 0.5 s = "
         f"{RESULT_TIMEOUT + 0.5:g} s ({max(stalls, default=0):.2f} s: "
         f"{'met' if max(stalls, default=0) <= RESULT_TIMEOUT + 0.5 else 'NOT met'}); zero failed "
         f"requests ({len(faulty.failed)}: {'met' if not faulty.failed else 'NOT met'}).",
