@@ -25,7 +25,7 @@ from sglang_eaas import cpu_runtime
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError
 
-from bench_lib.report import Report, default_out
+from bench_lib.report import Report, default_out, say
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP_TOKENS = 8
@@ -58,10 +58,6 @@ class Result:
     tok_per_s: float
     tpot_ms: float
 
-
-def say(message: str) -> None:
-    """Progress line on stdout, flushed at once (the run takes minutes)."""
-    print(f"bench: {message}", flush=True)
 
 
 def parse_args() -> argparse.Namespace:

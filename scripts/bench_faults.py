@@ -35,16 +35,13 @@ from sglang_eaas.protocol.control import probe
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError, free_port
 
-from bench_lib.report import Report, default_out
+from bench_lib.report import Report, default_out, say
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 3.0  # seconds at the start of each run left out of the averages (prefill ramp)
 FULL = 0.9  # "full throughput": a 1 s window at >= this share of the baseline's median window
 DONE = {"kill": "killed (kill -9)", "stop": "hung (SIGSTOP)"}
 
-
-def say(message: str) -> None:
-    print(f"bench: {message}", flush=True)
 
 
 def parse_args() -> argparse.Namespace:

@@ -40,14 +40,11 @@ from sglang_eaas.placement import even_placement
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 
 from bench_lib.layer_math import Batch, Budget, LayerMath, MathTiming, make_batches
-from bench_lib.report import ROOT, Report, default_out
+from bench_lib.report import ROOT, Report, default_out, say
 
 PHASES = ("send", "wait", "read")
 DTYPE = torch.bfloat16  # the bench checkpoint's
 
-
-def say(message: str) -> None:
-    print(f"bench_layer: {message}", flush=True)
 
 
 class PhaseClock:

@@ -67,6 +67,11 @@ def header_lines() -> list[str]:
     ]
 
 
+def say(message: str, who: str = "bench") -> None:
+    """A progress line on stdout, flushed at once (runs take minutes); not saved in the report."""
+    print(f"{who}: {message}", flush=True)
+
+
 def default_out(name: str) -> Path:
     """Where a script's report goes unless ``--out`` says otherwise: .cache/bench/NAME.md."""
     return DEFAULT_DIR / f"{name}.md"
