@@ -241,6 +241,29 @@ def test_servers_join_and_drain_at_runtime(start, client_of, info, hf_experts):
     assert refused.returncode == 1 and "is the last live holder of experts" in refused.stderr
 
 
+def test_a_client_the_monitor_lost_joins_again(start, client_of, monitor, info, hf_experts):
+    """A client whose process stalls (here: its heartbeats stop) is lost by the monitor and its
+    servers take its slots back and close its connections; that is not the servers' death: the
+    client registers again at once and joins them afresh, and no layer fails meanwhile."""
+    servers = start(REPLICATED[:2])
+    client = client_of(servers, "stalled")
+    x, ids, w = _batch(info, 16, seed=6)
+    _step(client, 0, x, ids, w)
+    first = client.tier.presence.incarnation
+    client.tier.presence._healthy = lambda: False  # a stalled process sends no heartbeat
+    _until(lambda: client.tier.stats["recoveries"] >= 1, 10, "the client joined again")
+    client.tier.presence._healthy = lambda: True
+    assert client.tier.presence.incarnation != first
+    for layer in info.moe_layers:
+        out, failed = _step(client, layer, x, ids, w)
+        assert not failed
+        assert_matches_hf(out, hf_experts, layer, x, ids, w)
+    assert sorted(client.table.servers) == sorted(s.address for s in servers)
+    _until(lambda: all(probe(s.address, TOKEN)["clients"] == 1 for s in servers), 10,
+           "one slot per server again")
+    assert client.tier.stats["drops"] == 0  # no server was taken for dead
+
+
 CLIENT_SCRIPT = """
 import sys, time, torch
 from sglang_eaas.checkpoint import ModelIdentity

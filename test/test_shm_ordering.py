@@ -84,7 +84,8 @@ def pattern(writer: int, round_: int) -> torch.Tensor:
 
 def check_payload(payload: torch.Tensor, writer: int, round_: int) -> str | None:
     """None if ``payload`` (uint8 ``[PAYLOAD]``) is exactly round ``round_`` of ``writer``; else
-    one sentence saying how it is torn (rounds mixed), stale (one earlier round) or foreign."""
+    one sentence saying how it is torn (rounds mixed), stale (an earlier round, or never written)
+    or foreign."""
     words, expected = payload.view(torch.int64).clone(), pattern(writer, round_)  # one snapshot
     if torch.equal(words, expected):
         return None
@@ -93,8 +94,8 @@ def check_payload(payload: torch.Tensor, writer: int, round_: int) -> str | None
                              ((words >> ROUND_SHIFT) & 0xFFFFFFF).tolist())))
     if not bool(wrong.all()) or len(sources) > 1:
         kind = "torn"
-    elif sources[0][0] == writer and sources[0][1] < round_:
-        kind = "stale"
+    elif (sources[0][0] == writer and sources[0][1] < round_) or not bool(words.any()):
+        kind = "stale"  # an earlier round of this writer's, or never written (zeros)
     else:
         kind = "foreign"
     return (f"writer {writer} round {round_}: {kind} payload under a published flag, "

@@ -10,8 +10,9 @@ of its servers), which the data path (``EaasClient``) adopts between steps:
 * the data path saw a server fail (no answer within the result timeout, a broken connection):
   ``lose`` drops it at once and reports it to the monitor, which evicts it (it is used again
   only once it has registered again);
-* the monitor lost *this* client (``evicted``: it hung, say): its servers took its slots
-  back, so once it has registered again, ``recover`` joins them all afresh;
+* the monitor lost *this* client (it hung, or its process stalled): its servers took its
+  slots back (and closed its connections), so ``recover`` registers again at once and joins
+  them all afresh;
 * a server's control connection closed (the fastest sign of a crash): drop it, next view.
 
 A dropped connection is closed only once the data path has adopted a view without it, so no
@@ -90,6 +91,8 @@ class ClientTier:
         self._static = set(settings.addresses)
         self._known: set[str] = set()  # servers the monitor has listed (it tells their fate)
         self._dead: set[tuple[str, str]] = set()  # (id, incarnation) that failed this client
+        self._recovering = threading.Lock()  # one recovery at a time
+        self._check_backend = None
         self._epoch = -1  # the first view is epoch 0
         self.adopted_epoch = 0  # the data path's current view (it sets this)
         self.evicted = False
@@ -268,27 +271,47 @@ class ClientTier:
 
     def recover(self) -> View:
         """This client was lost by the monitor (a hang, say), so its servers took its slots
-        back; it has registered again: join them all afresh, then swap the new connections in
-        at once (a wait on an old slot stops, and its tokens go to the new connections)."""
-        self.evicted = False
-        old = self.live_connections()
-        fresh = {}
-        for address, conn in old.items():
-            try:
-                fresh[address] = self._join(address, conn.incarnation)
-            except TransportError as exc:
-                logger.warning("sglang-eaas: cannot join %s again: %s", address, exc)
-        with self._lock:
-            for address, conn in old.items():
-                if self._conns.get(address) is conn:
-                    del self._conns[address]
+        back: register again now, join every live server afresh, then swap the new connections
+        in at once (a wait on an old slot stops, and its tokens go to the new connections)."""
+        with self._recovering:
+            self.evicted = False
+            self.presence.register_again()
+            snapshot = self._checker().watch(-1, 0.0)
+            old = self.live_connections()
+            targets = {m.id: m.incarnation for m in snapshot.servers(self.model.fingerprint)
+                       if m.status == SERVING and (m.id, m.incarnation) not in self._dead}
+            targets.update({a: c.incarnation for a, c in old.items() if a not in self._known})
+            fresh = {}
+            for address, incarnation in targets.items():
+                try:
+                    fresh[address] = self._join(address, incarnation)
+                except TransportError as exc:
+                    logger.warning("sglang-eaas: cannot join %s again: %s", address, exc)
+            with self._lock:
+                for address, conn in self._conns.items():
                     conn.lost_why = "this client was lost by the monitor and joined again"
                     self._retired.append((self._epoch + 1, conn))
-            self._conns.update(fresh)
-            self.stats["recoveries"] += 1
-            logger.warning("sglang-eaas: this client was lost by the monitor (a hang?); joined "
-                           "%d of its %d expert servers again", len(fresh), len(old))
-            return self._build()
+                self._conns = fresh
+                self.stats["recoveries"] += 1
+                logger.warning("sglang-eaas: the monitor had lost this client (a hang or a stall "
+                               "of this process?); registered again as %s and joined %d expert "
+                               "servers again", self.presence.incarnation, len(fresh))
+                return self._build()
+
+    def _checker(self):
+        """A monitor connection of its own for one-off reads (the watcher's long-polls)."""
+        if self._check_backend is None:
+            self._check_backend = connect(self.settings.monitor, self._token())
+        return self._check_backend
+
+    def _still_registered(self) -> bool:
+        """Whether the monitor still has this client as its current incarnation."""
+        try:
+            snapshot = self._checker().watch(-1, 0.0)
+        except TransportError:
+            return True  # cannot tell: take closed connections at their word
+        return any(m.id == self.client_id and m.incarnation == self.presence.incarnation
+                   for m in snapshot.clients())
 
     # -- the watcher thread ----------------------------------------------------------------
     def _watch(self) -> None:
@@ -313,8 +336,9 @@ class ClientTier:
                 logger.exception("sglang-eaas: following the expert tier failed")
 
     def _follow(self, snapshot: Snapshot | None) -> None:
-        if self.evicted and self.presence is not None and self.presence.member is not None:
-            self.on_view(self.recover())  # registered again: join every server afresh
+        if self.evicted and self.presence is not None:
+            self.on_view(self.recover())  # the monitor lost this client: join afresh
+            return
         changed = snapshot is not None and snapshot.revision != self._revision
         if changed:
             self.on_view(self._apply(snapshot))
@@ -342,6 +366,14 @@ class ClientTier:
                 if ready:  # a reply to a call of someone else's, not read yet
                     self._stop.wait(CLOSES_POLL)
                 continue
+            if self.presence is not None and not self._still_registered():
+                # Not the servers' death: the monitor lost this client (a stall of this
+                # process), so they took its slots back. Join them again now.
+                try:
+                    self.on_view(self.recover())
+                    continue
+                except TransportError as exc:
+                    logger.warning("sglang-eaas: cannot register with the monitor again: %s", exc)
             with self._lock:
                 for conn in closed:
                     self._drop(conn, "its control connection closed (the server is gone)",
@@ -387,8 +419,9 @@ class ClientTier:
             conn.close()
         if self.presence is not None:
             self.presence.close()
-        if self.backend is not None:
-            self.backend.close()
+        for backend in (self.backend, self._check_backend):
+            if backend is not None:
+                backend.close()
 
 
 def _missing(table: RoutingTable) -> str:

@@ -27,7 +27,7 @@ class Presence:
                  on_lost: Callable[[str], None] = lambda why: None):
         self.backend, self.period = backend, period
         self._template, self._load, self._healthy, self._on_lost = member, load, healthy, on_lost
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _beat registers while holding it
         self._session: MemberSession | None = None
         self.member: Member | None = None  # as registered (with its incarnation), or None
         self._status = member.status
@@ -46,6 +46,7 @@ class Presence:
         return member.incarnation if member is not None else ""
 
     def _register(self) -> None:
+        """Register (under the lock: one registration at a time, never two incarnations)."""
         with self._lock:
             if self._session is None:
                 self._session = self.backend.session()
@@ -59,35 +60,51 @@ class Presence:
                 self._session = None
             self.member = None
 
+    def _beat(self) -> str | None:
+        """One heartbeat, or a registration when the member has none; why the monitor lost
+        the member, if it did. Under the lock, so ``register_again`` cannot come in between."""
+        with self._lock:
+            if self.member is None:
+                self._register()
+                logger.info("registered with the monitor %s again, as incarnation %s",
+                            self.backend.address, self.incarnation)
+                return None
+            try:
+                self._session.heartbeat(self._load())
+            except MemberLost as exc:
+                self.member = None
+                return str(exc)
+        return None
+
     def _run(self) -> None:
         unreachable = False
         while not self._stop.wait(self.period):
             if not self._healthy():
                 continue
             try:
-                if self.member is None:
-                    self._register()
-                    logger.info("registered with the monitor %s again, as incarnation %s",
-                                self.backend.address, self.incarnation)
-                else:
-                    with self._lock:
-                        self._session.heartbeat(self._load())
+                lost = self._beat()
                 unreachable = False
-            except MemberLost as exc:
-                logger.warning("the monitor no longer has %s %s (%s); registering again",
-                               self._template.kind, self._template.id, exc)
-                with self._lock:
-                    self.member = None
-                self._on_lost(str(exc))
             except TransportError as exc:
                 if not unreachable:
                     logger.warning("monitor %s unreachable (%s); retrying every %.2fs",
                                    self.backend.address, exc, self.period)
                 unreachable = True
-                lost = self.member is not None
+                was_registered = self.member is not None
                 self._drop_session()
-                if lost:
+                if was_registered:
                     self._on_lost(f"monitor connection broke: {exc}")
+                continue
+            if lost is not None:
+                logger.warning("the monitor no longer has %s %s (%s); registering again",
+                               self._template.kind, self._template.id, lost)
+                self._on_lost(lost)
+
+    def register_again(self) -> None:
+        """Register now as a new incarnation (the owner learned it was lost before the next
+        heartbeat did)."""
+        with self._lock:
+            self.member = None
+            self._register()
 
     def set_status(self, status: str) -> None:
         """``serving`` or ``draining``, now and in every later registration."""
