@@ -100,7 +100,8 @@ class _Session:
     def handle(self, op: str, message: dict[str, Any]) -> dict[str, Any]:
         registry = self.registry
         if op == "register":
-            register, member = Register.from_message(message)
+            register = Register.from_message(message)
+            member = Member.from_message(register.member)
             loss = registry.loss_timeout
             if not 0 < register.heartbeat <= loss / 2:
                 raise ControlError("bad_field", f"a heartbeat period of {register.heartbeat}s "

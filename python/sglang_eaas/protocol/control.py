@@ -19,13 +19,13 @@ from typing import Any
 
 from sglang_eaas.protocol.header import DType
 from sglang_eaas.protocol.layout import SlotLayout
-from sglang_eaas.protocol.lines import Channel, check_fields
+from sglang_eaas.protocol.lines import Channel, Message
 
 OPS = ("join", "ready", "stats", "leave", "drain")
 
 
 @dataclass(frozen=True)
-class JoinRequest:
+class JoinRequest(Message):
     """A client asks for a slot; the server checks it serves the same model and weights."""
 
     client: str  # the client's id: its monitor member id when it has a monitor, else a name
@@ -36,10 +36,6 @@ class JoinRequest:
     incarnation: str = ""  # the client's monitor incarnation: its slot goes when that does
 
     op = "join"
-
-    @classmethod
-    def from_message(cls, message: dict[str, Any]) -> "JoinRequest":
-        return cls(**check_fields(cls, message))
 
 
 @dataclass(frozen=True)
@@ -71,7 +67,7 @@ class JoinReply:
 
 
 @dataclass(frozen=True)
-class Drain:
+class Drain(Message):
     """Leave the tier gracefully: clients stop sending first, in-flight work finishes, then the
     server exits. Refused (``drain_uncovered``) where the server is the last live holder of an
     expert, unless ``force``."""
@@ -80,10 +76,6 @@ class Drain:
     timeout: float = 30.0  # seconds to wait for clients to stop using the server
 
     op = "drain"
-
-    @classmethod
-    def from_message(cls, message: dict[str, Any]) -> "Drain":
-        return cls(**check_fields(cls, message))
 
 
 def probe(address: str, token: str, timeout: float = 10.0) -> dict[str, Any]:

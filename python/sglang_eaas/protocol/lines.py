@@ -105,6 +105,21 @@ def check_fields(record: type, message: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+class Message:
+    """A typed record that arrives over the channel (a dataclass): ``from_message`` checks each
+    field's type (``check_fields``), then ``validate`` checks what types cannot say."""
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]):
+        record = cls(**check_fields(cls, message))
+        record.validate()
+        return record
+
+    def validate(self) -> None:
+        """Raise ``ControlError("bad_field", ...)`` for a value its type allows but the record
+        does not."""
+
+
 def parse_line(line: bytes, ops: typing.Collection[str]) -> tuple[str, dict[str, Any]]:
     """One JSON request line -> ``(op, message)``; ``ControlError`` for anything but a JSON
     object whose ``op`` is one of ``ops``."""

@@ -30,15 +30,21 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from sglang_eaas.protocol.lines import ControlError, check_fields, shown
+from sglang_eaas.protocol.lines import ControlError, Message, shown
 
 OPS = ("register", "heartbeat", "set_status", "leave", "watch", "report", "stats")
 SERVER, CLIENT = "server", "client"
 SERVING, DRAINING = "serving", "draining"
 
 
+def _check_status(status: str) -> None:
+    if status not in (SERVING, DRAINING):
+        raise ControlError("bad_field", f"status {shown(status)} is neither {SERVING!r} nor "
+                           f"{DRAINING!r}")
+
+
 @dataclass(frozen=True)
-class Member:
+class Member(Message):
     """One expert server or attention client, as the monitor knows it."""
 
     kind: str  # SERVER | CLIENT
@@ -57,21 +63,20 @@ class Member:
     def from_message(cls, message: Any) -> "Member":
         if not isinstance(message, dict):
             raise ControlError("bad_field", f"a member must be an object, got {shown(message)}")
-        member = cls(**check_fields(cls, message))
-        if member.kind not in (SERVER, CLIENT):
-            raise ControlError("bad_field", f"member kind {shown(member.kind)} is neither "
+        return super().from_message(message)
+
+    def validate(self) -> None:
+        if self.kind not in (SERVER, CLIENT):
+            raise ControlError("bad_field", f"member kind {shown(self.kind)} is neither "
                                f"{SERVER!r} nor {CLIENT!r}")
-        if member.status not in (SERVING, DRAINING):
-            raise ControlError("bad_field", f"member status {shown(member.status)} is neither "
-                               f"{SERVING!r} nor {DRAINING!r}")
-        if not member.id or len(member.id) > 256:
+        _check_status(self.status)
+        if not self.id or len(self.id) > 256:
             raise ControlError("bad_field", "a member id is 1 to 256 characters")
-        for layer, ids in member.layer_experts.items():
+        for layer, ids in self.layer_experts.items():
             if not (layer.isdigit() and isinstance(ids, list)
                     and all(type(e) is int and e >= 0 for e in ids)):
                 raise ControlError("bad_field", f"layer_experts maps MoE layer numbers to lists "
                                    f"of expert ids, got {shown(layer)}: {shown(ids)}")
-        return member
 
     def holdings(self) -> dict[int, list[int]]:
         """A server's experts per MoE layer."""
@@ -124,70 +129,47 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
-class Register:
+class Register(Message):
     member: dict  # a Member's fields (incarnation and beat_age are the monitor's)
     heartbeat: float  # the member's heartbeat period, seconds
 
-    @classmethod
-    def from_message(cls, message: dict[str, Any]) -> tuple["Register", Member]:
-        register = cls(**check_fields(cls, message))
-        return register, Member.from_message(register.member)
+    def validate(self) -> None:
+        Member.from_message(self.member)
 
 
 @dataclass(frozen=True)
-class Heartbeat:
+class Heartbeat(Message):
     incarnation: str
     load: dict = field(default_factory=dict)
 
-    @classmethod
-    def from_message(cls, message: dict[str, Any]) -> "Heartbeat":
-        return cls(**check_fields(cls, message))
-
 
 @dataclass(frozen=True)
-class SetStatus:
+class SetStatus(Message):
     incarnation: str
     status: str
 
-    @classmethod
-    def from_message(cls, message: dict[str, Any]) -> "SetStatus":
-        record = cls(**check_fields(cls, message))
-        if record.status not in (SERVING, DRAINING):
-            raise ControlError("bad_field", f"status {shown(record.status)} is neither "
-                               f"{SERVING!r} nor {DRAINING!r}")
-        return record
+    def validate(self) -> None:
+        _check_status(self.status)
 
 
 @dataclass(frozen=True)
-class Leave:
+class Leave(Message):
     incarnation: str
 
-    @classmethod
-    def from_message(cls, message: dict[str, Any]) -> "Leave":
-        return cls(**check_fields(cls, message))
-
 
 @dataclass(frozen=True)
-class Watch:
+class Watch(Message):
     after: int = -1  # answer once the revision is past this (-1: at once)
     timeout: float = 10.0  # seconds to wait for that at most
 
-    @classmethod
-    def from_message(cls, message: dict[str, Any]) -> "Watch":
-        return cls(**check_fields(cls, message))
-
 
 @dataclass(frozen=True)
-class Report:
+class Report(Message):
     """A client saw ``server`` (this ``incarnation``) fail to answer within its timeout."""
 
     server: str
     incarnation: str
     why: str
-
-    @classmethod
-    def from_message(cls, message: dict[str, Any]) -> "Report":
-        return cls(**check_fields(cls, message))
 
 
 # -- signed records (the etcd backend, where no monitor checks who writes) --------------------
