@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from conftest import MAX_NEW_TOKENS, PROMPTS, greedy_tokens, open_log, start_ser
 from hf_reference import hf_greedy
 
 from sglang_eaas.launcher.local_servers import start_local_servers
+from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang through the CPU runtime
 PARAMS = re.compile(r"model parameters (\d+) bytes, routed-expert parameters (\d+) bytes")
@@ -191,3 +193,19 @@ def test_launch_errors_are_clear_and_early(tiny_qwen3, tiny_mixtral, tmp_path):
     finally:
         mixtral.stop()
     assert f"expert server {mixtral.address} serves a different model" in out
+    assert "monitor 127.0.0.1:9 is unreachable" in _launch_fails(
+        tiny_qwen3, "--eaas-monitor", "127.0.0.1:9")
+    # A shared monitor where no server holds experts 4-7: the launch waits, then says so.
+    monitor = MonitorServer(MonitorConfig(token=os.environ["SGLANG_EAAS_TOKEN"])).start()
+    half = start_local_servers(tiny_qwen3, [[0, 1, 2, 3]], "float32", 1,
+                               extra_args=("--monitor", monitor.address),
+                               stdout=subprocess.DEVNULL)[0]
+    try:
+        out = _launch_fails(tiny_qwen3, "--eaas-monitor", monitor.address,
+                            "--eaas-wait-for-servers", "2")
+    finally:
+        half.stop()
+        monitor.close()
+    assert (f"after 2s, the monitor {monitor.address} still has no live expert server of this "
+            "model for experts [4, 5, 6, 7] of MoE layer 0; experts [4, 5, 6, 7] of MoE layer 1 "
+            "(--eaas-wait-for-servers)") in out

@@ -73,6 +73,18 @@ def test_flags_parse(sglang_with_plugins, tiny_qwen3):
         (["--eaas", "--tp", "2", "--ep", "2"], "--eaas replaces expert parallelism"),
         (["--eaas", "--eaas-poll-spin-us", "-5"], "expected a whole number of microseconds"),
         (["--eaas-poll-spin-us", "10"], "--eaas-poll-spin-us only apply with --eaas"),
+        (["--eaas", "--eaas-monitor", "zk://h:1"], "the only monitor URL scheme is etcd://"),
+        (["--eaas", "--eaas-monitor", "embedded:h"], "monitor 'embedded:h': 'h' is not HOST"),
+        (["--eaas", "--eaas-monitor", "etcd://[::1]:2379"], "IPv6 addresses are not supported"),
+        (["--eaas", "--eaas-heartbeat", "0"], "expected a number of seconds > 0, got '0'"),
+        (["--eaas", "--eaas-result-timeout", "nan"], "expected a number of seconds > 0"),
+        (["--eaas", "--eaas-heartbeat", "1", "--eaas-loss-timeout", "1.5"],
+         "--eaas-heartbeat 1.0 must be at most half of the loss timeout"),
+        (["--eaas", "--eaas-monitor", "h:1", "--eaas-loss-timeout", "2"],
+         "--eaas-loss-timeout applies to an embedded monitor"),
+        (["--eaas", "--eaas-wait-for-servers", "5"],
+         "--eaas-wait-for-servers applies to a shared monitor"),
+        (["--eaas-monitor", "h:1"], "--eaas-monitor only apply with --eaas"),
     ],
 )
 def test_bad_values_are_refused(sglang_with_plugins, tiny_qwen3, capsys, args, message):
