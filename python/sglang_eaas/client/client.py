@@ -247,7 +247,6 @@ class EaasClient:
             if conn.lost_why is not None:
                 return conn.lost_why
             if remaining <= 0:
-                self.tier.stats[f"timeouts:{conn.address}"] += 1
                 self.metrics.timeout(conn.address)
                 return f"did not answer MoE layer {layer_id} within {self.result_timeout:g}s"
 
@@ -267,23 +266,21 @@ class EaasClient:
             self._failed.setdefault(first_row + row, (
                 f"experts {experts} of MoE layer {layer_id} have no live expert server"))
 
-    def note_orphans(self, layer_id: int, topk_ids: torch.Tensor) -> None:
-        """Record every row of ``topk_ids`` (the whole batch, not only this rank's share) that
-        needs an expert no live server holds (a host read, only when there is such an expert)."""
+    def note_orphans(self, layer_id: int, topk_ids: torch.Tensor, row_offset: int = 0) -> None:
+        """Record every row of ``topk_ids`` (with attention TP: the whole batch, not only this
+        rank's share) that needs an expert no live server holds (a host read, only when the
+        table in use has such an expert)."""
         if self.view.table.missing.get(layer_id):
             ids = topk_ids.cpu().numpy()
             self._record_orphans(layer_id, ids, self.view.table.assign(layer_id, ids) == NO_HOLDER,
-                                 0)
+                                 row_offset)
 
     def _forward_device(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor, row_offset: int) -> torch.Tensor:
         """The device exchange; a failed server is dropped and the layer run again without it
         (eager mode: the check reads the status after the layer)."""
         while True:
-            if self.view.table.missing.get(layer_id):
-                ids = topk_ids.cpu().numpy()
-                orphans = self.view.table.assign(layer_id, ids) == NO_HOLDER
-                self._record_orphans(layer_id, ids, orphans, row_offset)
+            self.note_orphans(layer_id, topk_ids, row_offset)
             try:
                 return self._device_step.forward(layer_id, hidden, topk_ids, topk_weights)
             except DeviceFailure as failure:

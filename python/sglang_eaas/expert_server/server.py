@@ -20,6 +20,7 @@ from sglang_eaas.expert_server.control import control_endpoint
 from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
 from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.monitor import HEARTBEAT
 from sglang_eaas.protocol import ProtocolError, RegionLayout, SlotLayout, SlotState
 from sglang_eaas.protocol.header import HeaderError, RejectReason, RequestHeader
 from sglang_eaas.protocol.control import Drain, JoinReply, JoinRequest
@@ -48,7 +49,7 @@ class ExpertServerConfig:
     threads: int = 1
     layer_experts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # per-layer override
     monitor: str = ""  # HOST:PORT or etcd://HOST:PORT of the monitor to register with, or none
-    heartbeat: float = 0.3  # seconds between heartbeats to the monitor
+    heartbeat: float = HEARTBEAT  # seconds between heartbeats to the monitor
 
     def holdings(self, moe_layers: tuple[int, ...]) -> dict[int, list[int]]:
         """Which experts this server holds in each MoE layer (possibly none in some)."""
