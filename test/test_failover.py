@@ -264,6 +264,33 @@ def test_a_client_the_monitor_lost_joins_again(start, client_of, monitor, info, 
     assert client.tier.stats["drops"] == 0  # no server was taken for dead
 
 
+def test_a_client_registered_again_by_its_presence_joins_again(start, client_of, info,
+                                                               hf_experts):
+    """The heartbeat thread may register a lost client again before the client's other threads
+    notice (seen in CI: a resumed SGLang rank whose etcd lease had ended): its servers then
+    close the old incarnation's connections while the monitor does list the client. That is
+    still not the servers' death: the client joins them again under the new incarnation and
+    takes none of them for dead."""
+    servers = start(REPLICATED[:2])
+    client = client_of(servers, "re-registered")
+    x, ids, w = _batch(info, 16, seed=7)
+    _step(client, 0, x, ids, w)
+    first = client.tier.presence.incarnation
+    client.tier.presence.register_again()  # what the presence does after a lost heartbeat
+    assert client.tier.presence.incarnation != first
+    _until(lambda: client.tier.stats["recoveries"] >= 1, 10, "the client joined again")
+    _until(lambda: all(probe(s.address, TOKEN)["clients"] == 1 for s in servers), 10,
+           "one slot per server again")
+    assert sorted(client.tier.live_connections()) == sorted(s.address for s in servers)
+    assert all(c.client_incarnation == client.tier.presence.incarnation
+               for c in client.tier.live_connections().values())
+    for layer in info.moe_layers:
+        out, failed = _step(client, layer, x, ids, w)
+        assert not failed
+        assert_matches_hf(out, hf_experts, layer, x, ids, w)
+    assert client.tier.stats["drops"] == 0  # no server was taken for dead
+
+
 CLIENT_SCRIPT = """
 import sys, time, torch
 from sglang_eaas.checkpoint import ModelIdentity

@@ -25,6 +25,7 @@ class ServerConnection:
         does not know); ``client_incarnation``: this client's, so the server takes the slot
         back when the monitor loses this client."""
         self.address, self.incarnation = address, incarnation
+        self.client_incarnation = client_incarnation  # the one this slot belongs to
         self.lost_why: str | None = None  # set when this server is known lost: stop waiting
         self.slot = self.region = None
         self.device_channel = None  # client.device_step.DeviceChannel, made on first use

@@ -96,6 +96,7 @@ class ClientTier:
         self._epoch = -1  # the first view is epoch 0
         self.adopted_epoch = 0  # the data path's current view (it sets this)
         self.evicted = False
+        self._joined_as = ""  # this client's incarnation that its connections belong to
         self.stats: collections.Counter[str] = collections.Counter()
         # The data path's way to take a new view (it ignores one older than what it has).
         self.on_view: Callable[[View], None] = lambda view: None
@@ -122,6 +123,7 @@ class ClientTier:
                 self.presence = Presence(connect(s.monitor, self._token()), member,
                                          s.heartbeat, on_lost=self._on_evicted).start()
                 snapshot = self.backend.watch(-1, 0.0)
+                self._joined_as = self.presence.incarnation
             for address in s.addresses:  # each must answer now, as at any launch
                 known = snapshot and {m.id: m for m in snapshot.servers()}.get(address)
                 self._conns[address] = self._join(address, known.incarnation if known else "",
@@ -193,6 +195,9 @@ class ClientTier:
         servers = {m.id: m for m in snapshot.servers(self.model.fingerprint)}
         self._known |= set(servers)  # followed through the monitor from now on
         why_gone = {d.id: d.why for d in snapshot.departures}
+        listed = {(sid, m.incarnation) for sid, m in servers.items()}
+        with self._lock:  # retried only while the monitor lists that incarnation
+            self._failed_joins = {k: at for k, at in self._failed_joins.items() if k in listed}
         with self._lock:
             for sid, conn in list(self._conns.items()):
                 m = servers.get(sid)
@@ -218,6 +223,7 @@ class ClientTier:
                 continue
             with self._lock:
                 self._conns[sid] = conn
+                self._failed_joins.pop((sid, m.incarnation), None)
             self.stats["joins"] += 1
             logger.info("sglang-eaas: expert server %s joined the table (experts per MoE layer "
                         "%s)", sid, conn.layer_experts)
@@ -269,34 +275,51 @@ class ClientTier:
     def _on_evicted(self, why: str) -> None:
         self.evicted = True
 
-    def recover(self) -> View:
+    def recover(self, stale: list[ServerConnection] | None = None) -> View | None:
         """This client was lost by the monitor (a hang, say), so its servers took its slots
-        back: register again now, join every live server afresh, then swap the new connections
-        in at once (a wait on an old slot stops, and its tokens go to the new connections)."""
+        back: register again unless the presence already did, join every live server afresh
+        under the new incarnation, then swap the new connections in at once (a wait on an old
+        slot stops, and its tokens go to the new connections). ``stale``: the closed
+        connections that called for it; None (nothing to do) if another recovery replaced
+        them meanwhile."""
         with self._recovering:
+            with self._lock:
+                if stale is not None and not any(self._conns.get(c.address) is c
+                                                 for c in stale):
+                    return None
             self.evicted = False
-            self.presence.register_again()
+            if not self.presence.incarnation or (
+                    self._registered_as() != self.presence.incarnation):
+                self.presence.register_again()
+            incarnation = self.presence.incarnation
             snapshot = self._checker().watch(-1, 0.0)
             old = self.live_connections()
             targets = {m.id: m.incarnation for m in snapshot.servers(self.model.fingerprint)
                        if m.status == SERVING and (m.id, m.incarnation) not in self._dead}
             targets.update({a: c.incarnation for a, c in old.items() if a not in self._known})
             fresh = {}
-            for address, incarnation in targets.items():
+            for address, server_incarnation in targets.items():
                 try:
-                    fresh[address] = self._join(address, incarnation)
+                    fresh[address] = self._join(address, server_incarnation)
                 except TransportError as exc:
                     logger.warning("sglang-eaas: cannot join %s again: %s", address, exc)
+                    self._failed_joins[(address, server_incarnation)] = time.monotonic() + RETRY
             with self._lock:
                 for address, conn in self._conns.items():
                     conn.lost_why = "this client was lost by the monitor and joined again"
                     self._retired.append((self._epoch + 1, conn))
                 self._conns = fresh
+                self._joined_as = incarnation
                 self.stats["recoveries"] += 1
                 logger.warning("sglang-eaas: the monitor had lost this client (a hang or a stall "
                                "of this process?); registered again as %s and joined %d expert "
-                               "servers again", self.presence.incarnation, len(fresh))
+                               "servers again", incarnation, len(fresh))
                 return self._build()
+
+    def _needs_recovery(self) -> bool:
+        """Whether this client's connections belong to an incarnation the monitor lost."""
+        return self.presence is not None and (
+            self.evicted or self.presence.incarnation != self._joined_as)
 
     def _checker(self):
         """A monitor connection of its own for one-off reads (the watcher's long-polls)."""
@@ -304,14 +327,19 @@ class ClientTier:
             self._check_backend = connect(self.settings.monitor, self._token())
         return self._check_backend
 
-    def _still_registered(self) -> bool:
-        """Whether the monitor still has this client as its current incarnation."""
+    def _registered_as(self) -> str:
+        """This client's incarnation as the monitor has it ("" if it has none)."""
+        snapshot = self._checker().watch(-1, 0.0)
+        return next((m.incarnation for m in snapshot.clients() if m.id == self.client_id), "")
+
+    def _lost_by_monitor(self, closed: list[ServerConnection]) -> bool:
+        """Whether ``closed`` closed because the monitor lost the incarnation they belong to
+        (servers take such slots back), rather than because their servers died."""
         try:
-            snapshot = self._checker().watch(-1, 0.0)
+            current = self._registered_as()
         except TransportError:
-            return True  # cannot tell: take closed connections at their word
-        return any(m.id == self.client_id and m.incarnation == self.presence.incarnation
-                   for m in snapshot.clients())
+            return False  # cannot tell: take closed connections at their word
+        return any(conn.client_incarnation != current for conn in closed)
 
     # -- the watcher thread ----------------------------------------------------------------
     def _watch(self) -> None:
@@ -323,7 +351,8 @@ class ClientTier:
                 snapshot = None
             else:
                 try:
-                    snapshot = self.backend.watch(self._revision, 0.05 if busy else WATCH)
+                    snapshot = self.backend.watch(self._revision, 0.05 if busy else RETRY
+                                                  if self._failed_joins else WATCH)
                 except TransportError as exc:
                     logger.warning("sglang-eaas: monitor watch failed: %s", exc)
                     self._stop.wait(self.settings.heartbeat)
@@ -336,12 +365,19 @@ class ClientTier:
                 logger.exception("sglang-eaas: following the expert tier failed")
 
     def _follow(self, snapshot: Snapshot | None) -> None:
-        if self.evicted and self.presence is not None:
+        if self._needs_recovery():
             self.on_view(self.recover())  # the monitor lost this client: join afresh
             return
         changed = snapshot is not None and snapshot.revision != self._revision
-        if changed:
+        if changed or (snapshot is not None and self._retry_due()):
             self.on_view(self._apply(snapshot))
+
+    def _retry_due(self) -> bool:
+        """Whether a server that failed to join (and is not back) may be tried again now."""
+        now = time.monotonic()
+        with self._lock:
+            return any(at <= now and sid not in self._conns
+                       for (sid, _), at in self._failed_joins.items())
 
     def _watch_closes(self) -> None:
         """The fastest sign of a crashed server: its kernel closes our control connection at
@@ -366,11 +402,13 @@ class ClientTier:
                 if ready:  # a reply to a call of someone else's, not read yet
                     self._stop.wait(CLOSES_POLL)
                 continue
-            if self.presence is not None and not self._still_registered():
+            if self.presence is not None and self._lost_by_monitor(closed):
                 # Not the servers' death: the monitor lost this client (a stall of this
                 # process), so they took its slots back. Join them again now.
                 try:
-                    self.on_view(self.recover())
+                    view = self.recover(closed)
+                    if view is not None:
+                        self.on_view(view)
                     continue
                 except TransportError as exc:
                     logger.warning("sglang-eaas: cannot register with the monitor again: %s", exc)
