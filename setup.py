@@ -6,9 +6,10 @@ setup(
     name="sglang-eaas",
     version="0.1.0",
     description="Expert-as-a-Service for SGLang: routed experts on separate, stateless expert servers",
-    # Two source roots: the plugin (python/sglang_eaas) and the P2P library (ibgda/).
-    package_dir={"": "python", "ibgda": "ibgda"},
-    packages=find_packages("python") + ["ibgda"] + [
+    # Three source roots: the plugin (python/sglang_eaas), the P2P library (ibgda/) and the
+    # expert server's kernels (sgl-kernel-ext/).
+    package_dir={"": "python", "ibgda": "ibgda", "sgl_kernel_ext": "sgl-kernel-ext/sgl_kernel_ext"},
+    packages=find_packages("python") + ["ibgda", "sgl_kernel_ext"] + [
         f"ibgda.{p}" for p in find_packages("ibgda")],
     ext_modules=[Extension("ibgda._host_atomics", ["ibgda/csrc/host_atomics.c"],
                            extra_compile_args=["-std=c11", "-O2"])],
@@ -16,13 +17,15 @@ setup(
     package_data={"sglang_eaas.cpu_runtime": ["shims/*/*.py"], "ibgda": ["csrc/device/*"]},
     python_requires=">=3.10",
     # etcd3gw: the monitor's etcd backend (etcd's v3 HTTP gateway), imported only for etcd://.
-    install_requires=["etcd3gw>=2.4"],
+    # ninja: torch's extension tooling builds the expert server's CPU kernel with it.
+    install_requires=["etcd3gw>=2.4", "ninja>=1.11"],
     # SGLang is not a hard requirement: on a CPU-only machine scripts/setup.sh installs it with
     # --no-deps plus requirements/sglang-cpu.txt, because its pinned CUDA kernels cannot install there.
     extras_require={
         "gpu": ["sglang==0.5.23"],
         "test": ["pytest>=8", "hypothesis>=6", "requests>=2.31"],
-        "bench": ["matplotlib>=3.7"],  # scripts/bench_faults.py's plot
+        # The benchmark scripts' plots; 'datasets' for SGLang's own python -m sglang.bench_serving.
+        "bench": ["matplotlib>=3.7", "datasets>=3"],
     },
     entry_points={
         "sglang.srt.plugins": ["eaas = sglang_eaas.plugin:register"],

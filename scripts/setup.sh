@@ -19,6 +19,8 @@ command -v "$python" >/dev/null || die "'$python' not found; install Python >= 3
   || die "Python >= 3.10 is required, '$python' is $("$python" -V 2>&1); set PYTHON=/path/to/python3.10+"
 command -v cc >/dev/null || command -v gcc >/dev/null \
   || die "no C compiler found (Triton and native extensions need one); install gcc (Debian: apt-get install -y gcc)"
+command -v "${CXX:-c++}" >/dev/null || command -v g++ >/dev/null \
+  || die "no C++ compiler found (the expert server's CPU kernel needs one); install g++ (Debian: apt-get install -y g++)"
 
 if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
   mode=gpu
@@ -57,7 +59,8 @@ if ! command -v etcd >/dev/null; then
 fi
 
 stamp_file="$venv/.sglang-eaas-setup"
-stamp="$(cat "$root/setup.py" "$root/scripts/setup.sh" "$root/requirements/"*.txt | sha256sum | cut -d' ' -f1) $mode $("$python" -V 2>&1)"
+stamp="$(cat "$root/setup.py" "$root/scripts/setup.sh" "$root/requirements/"*.txt \
+  "$root/sgl-kernel-ext/csrc/cpu/"* "$root/sgl-kernel-ext/sgl_kernel_ext/cpu_ops.py" | sha256sum | cut -d' ' -f1) $mode $("$python" -V 2>&1)"
 if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$stamp" ]]; then
   step "$venv is up to date ($mode)"
   exit 0
@@ -72,26 +75,31 @@ pip_install() {
 }
 pip_install --upgrade pip
 if [[ $mode == cpu ]]; then
-  step "[1/6] torch 2.13.0 (CPU build)"
+  step "[1/7] torch 2.13.0 (CPU build)"
   pip_install "torch==2.13.0"
-  step "[2/6] sglang 0.5.23 without its CUDA kernel dependencies"
+  step "[2/7] sglang 0.5.23 without its CUDA kernel dependencies"
   pip_install --no-deps "sglang==0.5.23"
-  step "[3/6] SGLang's pure-Python runtime dependencies and triton (requirements/sglang-cpu.txt)"
+  step "[3/7] SGLang's pure-Python runtime dependencies and triton (requirements/sglang-cpu.txt)"
   pip_install -r "$root/requirements/sglang-cpu.txt"
-  step "[4/6] Mooncake Transfer Engine, CPU build, and what the device backend's CUDA sources" \
+  step "[4/7] Mooncake Transfer Engine, CPU build, and what the device backend's CUDA sources" \
     "compile with (requirements/ibgda-cpu.txt, requirements/ibgda-cuda-build.txt)"
   pip_install -r "$root/requirements/ibgda-cpu.txt" -r "$root/requirements/ibgda-cuda-build.txt"
-  step "[5/6] sglang-eaas (editable, with test and benchmark extras; builds ibgda's native module)"
+  step "[5/7] sglang-eaas (editable, with test and benchmark extras; builds ibgda's native module)"
   pip_install -e "$root[test,bench]"
-  step "[6/6] CPU runtime start-up hook"
+  step "[6/7] CPU runtime start-up hook"
   "$venv/bin/python" -m sglang_eaas.cpu_runtime install
 else
-  step "[1/3] sglang 0.5.23 with its GPU stack, and Mooncake's CUDA build (untested)"
+  step "[1/4] sglang 0.5.23 with its GPU stack, and Mooncake's CUDA build (untested)"
   pip_install "sglang==0.5.23" mooncake-transfer-engine -r "$root/requirements/ibgda-cuda-build.txt"
-  step "[2/3] sglang-eaas (editable, with test and benchmark extras)"
+  step "[2/4] sglang-eaas (editable, with test and benchmark extras)"
   pip_install -e "$root[gpu,test,bench]"
-  step "[3/3] ibgda's device backend, native side (python -m ibgda.build_native; never run)"
+  step "[3/4] ibgda's device backend, native side (python -m ibgda.build_native; never run)"
   "$venv/bin/python" -m ibgda.build_native
 fi
+# Compiled here once, so an expert server's first start does not pay for it (sgl_kernel_ext.cpu_ops;
+# the build lives in the venv, keyed by the source: a changed source rebuilds).
+step "[$([[ $mode == cpu ]] && echo 7/7 || echo 4/4)] building the CPU expert kernel" \
+  "(sgl-kernel-ext/csrc/cpu, with torch's extension tooling)"
+"$venv/bin/python" -m sgl_kernel_ext.cpu_ops || die "building the CPU expert kernel failed (see above)"
 echo "$stamp" > "$stamp_file"
 step "done: activate with 'source $venv/bin/activate'"

@@ -106,6 +106,8 @@ class EaasConfig:
     loss_timeout: float = LOSS_TIMEOUT  # an embedded monitor's
     result_timeout: float = RESULT_TIMEOUT
     wait_for_servers: float = WAIT_FOR_SERVERS
+    kernel: str | None = None  # local expert servers' --kernel; None: theirs (fast)
+    shrink: bool = True  # False: local expert servers get --disable-shrink
 
     def __reduce__(self):
         return (_restore_in_worker, tuple(getattr(self, f.name) for f in fields(self)))
@@ -233,6 +235,28 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="With a shared monitor and no --eaas-expert-servers: how long the launch waits "
         f"for every expert to have a live holder there (default: {WAIT_FOR_SERVERS:.0f}).",
     )
+    group.add_argument(
+        "--eaas-kernel",
+        default=None,
+        choices=("fast", "reference"),  # expert_server.compute.KERNELS
+        help="The expert math of the local expert servers this launcher starts (their "
+        "--kernel): 'fast' runs a layer's active experts in one C++ grouped kernel (float32 "
+        "sums, every active expert's weights read once), 'reference' runs SGLang's "
+        "moe_forward_native ops expert by expert, bit for bit as without --eaas (default: fast).",
+    )
+    group.add_argument(
+        "--eaas-disable-shrink",
+        action="store_true",
+        default=None,
+        help="Ablation: the local expert servers' fast kernel walks every expert of a layer, "
+        "empty ones included, instead of only the active ones (their --disable-shrink); the "
+        "outputs are the same.",
+    )
+
+
+LOCAL_ONLY = ("--eaas-kernel and --eaas-disable-shrink apply to the local expert servers this "
+              "launcher starts; give servers started separately --kernel and --disable-shrink "
+              "instead")
 
 
 def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
@@ -246,7 +270,8 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
             f"--{name.replace('_', '-')}"
             for name in ("eaas_expert_servers", "eaas_placement", "eaas_token", "eaas_transport",
                          "eaas_poll_spin_us", "eaas_monitor", "eaas_heartbeat",
-                         "eaas_loss_timeout", "eaas_result_timeout", "eaas_wait_for_servers")
+                         "eaas_loss_timeout", "eaas_result_timeout", "eaas_wait_for_servers",
+                         "eaas_kernel", "eaas_disable_shrink")
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -269,11 +294,19 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
             args.eaas_expert_servers is not None or monitor.kind == "embedded"):
         raise ValueError("--eaas-wait-for-servers applies to a shared monitor "
                          "(--eaas-monitor HOST:PORT or etcd://) without --eaas-expert-servers")
+    kernel, shrink = args.eaas_kernel, not args.eaas_disable_shrink
+    if not shrink and kernel == "reference":
+        raise ValueError("--eaas-disable-shrink applies to --eaas-kernel fast only")
+    if (kernel is not None or not shrink) and (
+            isinstance(args.eaas_expert_servers, RemoteServers)
+            or (monitor.kind != "embedded" and args.eaas_expert_servers is None
+                and args.eaas_placement is None)):
+        raise ValueError(LOCAL_ONLY)
     return EaasConfig(args.eaas_expert_servers, args.eaas_placement, args.eaas_token,
                       args.eaas_transport or transports.AUTO,
                       POLL_SPIN_US if spin is None else spin, monitor, heartbeat, loss,
                       args.eaas_result_timeout or RESULT_TIMEOUT,
-                      args.eaas_wait_for_servers or WAIT_FOR_SERVERS)
+                      args.eaas_wait_for_servers or WAIT_FOR_SERVERS, kernel, shrink)
 
 
 def current() -> EaasConfig | None:

@@ -32,4 +32,12 @@ TOKEN = EnvVar(
     "'--eaas-expert-servers local:N' generates one when unset.",
 )
 
-ALL = (CPU_RUNTIME, TOKEN)
+KERNEL_CACHE = EnvVar(
+    "SGLANG_EAAS_KERNEL_CACHE",
+    "",
+    "Folder of the expert server's compiled CPU kernel (sgl_kernel_ext.cpu_ops); default: "
+    "share/sglang-eaas/torch_extensions in the virtual environment, else "
+    "~/.cache/sglang-eaas/torch_extensions.",
+)
+
+ALL = (CPU_RUNTIME, TOKEN, KERNEL_CACHE)

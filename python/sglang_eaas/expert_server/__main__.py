@@ -69,6 +69,16 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (the server's whole CPU budget); default "
                    "%(default)s")
+    p.add_argument("--kernel", default="fast", choices=["fast", "reference"],
+                   help="the expert math: 'fast' runs each layer's active experts in one C++ "
+                   "grouped kernel (float32 sums, every active expert's weights read once; built "
+                   "by scripts/setup.sh, else on first start); 'reference' runs SGLang's "
+                   "moe_forward_native ops one expert at a time, bit for bit as monolithic "
+                   "SGLang computes them; default %(default)s")
+    p.add_argument("--disable-shrink", action="store_true",
+                   help="with --kernel fast: hand the kernel every expert of the layer, empty "
+                   "ones included, instead of only the active ones (group shrink), for "
+                   "ablations; the outputs are the same")
     p.add_argument("--monitor", default="", metavar="ADDR",
                    help="register with this monitor, so that clients find this server, start "
                    "sending to it at their next step and fail over when it is lost: an SGLang "
@@ -108,6 +118,8 @@ def parse_args(argv: list[str] | None = None):
             parse_monitor(args.monitor, embedded_ok=False)
         except ValueError as exc:
             p.error(f"--monitor: {exc}")
+    if args.disable_shrink and args.kernel != "fast":
+        p.error("--disable-shrink applies to --kernel fast only")
     if not args.heartbeat > 0:
         p.error("--heartbeat must be > 0")
     try:
@@ -142,6 +154,7 @@ def parse_args(argv: list[str] | None = None):
         max_tokens=args.max_tokens, min_batch_tokens=args.min_batch_tokens,
         max_wait_us=args.max_wait_us, poll_spin_us=args.poll_spin_us, threads=args.threads,
         layer_experts=layer_experts, monitor=args.monitor, heartbeat=args.heartbeat,
+        kernel=args.kernel, shrink=not args.disable_shrink,
     )
 
 
@@ -196,9 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         return drain(args.drain, config, args.force, args.drain_timeout)  # config: the token
     logging.basicConfig(level=args.log_level.upper(),
                         format="[%(asctime)s expert-server] %(message)s")
+    from sgl_kernel_ext.cpu_ops import KernelUnavailable
     from sglang_eaas.expert_server.server import ExpertServer
 
-    server = ExpertServer(config)
+    try:
+        server = ExpertServer(config)
+    except KernelUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     try:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from sgl_kernel_ext import cpu_ops
 from sglang_eaas import transports
 from sglang_eaas.expert_server.compute import local_experts, weighted_expert_sum
 from sglang_eaas.expert_server.control import control_endpoint
@@ -50,6 +51,8 @@ class ExpertServerConfig:
     layer_experts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # per-layer override
     monitor: str = ""  # HOST:PORT or etcd://HOST:PORT of the monitor to register with, or none
     heartbeat: float = HEARTBEAT  # seconds between heartbeats to the monitor
+    kernel: str = "fast"  # the expert math: "fast" (C++ grouped kernel) or "reference" (compute)
+    shrink: bool = True  # fast kernel: walk only the active experts (False: all, an ablation)
 
     def holdings(self, moe_layers: tuple[int, ...]) -> dict[int, list[int]]:
         """Which experts this server holds in each MoE layer (possibly none in some)."""
@@ -72,6 +75,8 @@ class ExpertServer:
     def __init__(self, config: ExpertServerConfig):
         self.config = config
         torch.set_num_threads(config.threads)
+        if config.kernel == "fast":
+            cpu_ops.ops()  # built and loaded now, not at the first request (KernelUnavailable)
         self.info = MoeModelInfo.from_model_path(config.model_path)
         self.dtype = DTYPES_BY_NAME[dtype_name(
             self.info.dtype if config.dtype == "auto" else config.dtype)]
@@ -272,6 +277,7 @@ class ExpertServer:
                     _cat([r.hidden.to(self.dtype) for r in requests]),
                     _cat([r.local_experts for r in requests]),
                     _cat([r.router_weights for r in requests]),
+                    kernel=self.config.kernel, shrink=self.config.shrink,
                 )
             except Exception:  # a bug must cost these requests, not the server
                 logger.exception("computing layer %d failed", layer_id)

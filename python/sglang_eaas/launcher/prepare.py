@@ -21,7 +21,7 @@ from typing import Any, Callable
 from ibgda import TransportError
 from sglang_eaas import envs, transports
 from sglang_eaas.checkpoint import expert_digests
-from sglang_eaas.config import EaasConfig, LocalServers, RemoteServers
+from sglang_eaas.config import LOCAL_ONLY, EaasConfig, LocalServers, RemoteServers
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor import EMBEDDED, connect
@@ -70,6 +70,8 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
                                  f"{cfg.placement} lists {len(planned)} local servers")
         placements = list(planned.values())
     elif planned:
+        if cfg.kernel is not None or not cfg.shrink:
+            raise PlacementError(LOCAL_ONLY)  # its servers are started separately
         if isinstance(servers, RemoteServers) and set(servers.addresses) != set(planned):
             raise PlacementError(f"{cfg.placement} names servers {sorted(planned)}, "
                                  f"--eaas-expert-servers names {sorted(servers.addresses)}")
@@ -92,7 +94,10 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
         local = start_local_servers(model_path, placements, sglang_dtype(model_path, dtype),
                                     max(8, num_ranks),
                                     extra_args=("--transport", backend, "--monitor", cfg.monitor,
-                                                "--heartbeat", str(cfg.heartbeat)))
+                                                "--heartbeat", str(cfg.heartbeat),
+                                                *(("--kernel", cfg.kernel) if cfg.kernel
+                                                  else ()),
+                                                *(() if cfg.shrink else ("--disable-shrink",))))
         atexit.register(lambda: [s.stop() for s in local])
         wait_registered(cfg.monitor, [s.address for s in local])
         return dataclasses.replace(cfg, expert_servers=RemoteServers(
