@@ -202,3 +202,33 @@ def test_bfloat16_within_tolerance(bfloat16_pair, prompt_ids, capsys):
               f"{_first_divergence(greedy, free_running)}")
     assert agreement >= BF16_MIN_AGREEMENT
     assert max_diff <= BF16_MAX_LOGPROB_DIFF
+
+
+@pytest.fixture(scope="module")
+def float32_overlap(tiny_top4):
+    """--eaas with SGLang's two-batch overlap: two micro-batches interleaved, each with its own
+    slot at every expert server."""
+    server = start_server(tiny_top4, *EAAS, "--enable-two-batch-overlap", "--enable-metrics",
+                          name="equality-f32-eaas-tbo")
+    yield server
+    server.stop()
+
+
+def _second_micro_batch_layers(server: SGLangServer) -> float:
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("sglang_eaas_dispatched_layers_total")
+               and 'micro_batch="1"' in line)
+
+
+def test_two_batch_overlap_token_identical(float32_pair, float32_overlap, prompt_ids):
+    """Tokens are the same with and without SGLang's two-batch overlap, and batches really
+    were split in two micro-batches."""
+    before = _second_micro_batch_layers(float32_overlap)
+    monolithic = _greedy(float32_pair.monolithic, prompt_ids)
+    overlapped = _greedy(float32_overlap, prompt_ids)
+    assert [r["output_ids"] for r in overlapped] == [r["output_ids"] for r in monolithic], (
+        _first_divergence(monolithic, overlapped))
+    # Every decode step of the 10 requests splits in two micro-batches of 5: the second one
+    # sends each of the 4 MoE layers on its own slot.
+    assert _second_micro_batch_layers(float32_overlap) - before >= (NEW_TOKENS - 1) * 4

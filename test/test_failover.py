@@ -73,10 +73,12 @@ def start(monitor, tiny_qwen3, request):
 def client_of(monitor, info, tiny_qwen3):
     made = []
 
-    def make(servers, name: str, result_timeout: float = PATIENT) -> EaasClient:
+    def make(servers, name: str, result_timeout: float = PATIENT, micro_batches: int = 1
+             ) -> EaasClient:
         made.append(EaasClient([s.address for s in servers], info, ModelIdentity.of(tiny_qwen3),
                                torch.float32, name, result_timeout=result_timeout,
-                               monitor=monitor.address, heartbeat=HEARTBEAT))
+                               monitor=monitor.address, heartbeat=HEARTBEAT,
+                               micro_batches=micro_batches))
         return made[-1]
 
     yield make
@@ -150,6 +152,29 @@ def test_a_server_lost_in_the_middle_of_a_layer(start, client_of, info, hf_exper
                 assert_matches_hf(_step(client, layer, x, ids, w)[0], hf_experts, layer, x,
                                   ids, w)
         assert _requests(victim) > before
+
+
+def test_two_micro_batches_in_flight(start, client_of, info, hf_experts):
+    """With two-batch overlap a client has a layer of each micro-batch at the servers at once,
+    each on a slot of its own: a server counts one client with two slots, both sums are right
+    whichever is combined first, and a server killed while both wait fails over both."""
+    servers = start(REPLICATED)
+    client = client_of(servers, "two-micro-batches", micro_batches=2)
+    assert all(probe(s.address, TOKEN)["clients"] == 1 and probe(s.address, TOKEN)["slots"] == 2
+               for s in servers)
+    a, b = _batch(info, 24, seed=11), _batch(info, 5, seed=12)
+    for layer, victim in ((0, None), (1, servers[1])):
+        client.begin_step()
+        first = client.dispatch(layer, *a, micro_batch=0)
+        second = client.dispatch(layer, *b, micro_batch=1)
+        if victim is not None:  # both requests are in its slots (or on their way)
+            os.kill(victim.process.pid, signal.SIGKILL)
+        out_b, out_a = client.combine(second), client.combine(first)
+        assert not client.end_step()
+        assert_matches_hf(out_a, hf_experts, layer, *a)
+        assert_matches_hf(out_b, hf_experts, layer, *b)
+    assert servers[1].address not in client.table.servers
+    assert client.dispatched == [2, 2]
 
 
 def test_a_slow_server_costs_time_only(start, client_of, monitor, info, hf_experts):

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 from sglang_eaas import config, request_checks
-from sglang_eaas.client import graph_check, sglang_moe, steps
-from sglang_eaas.cpu_runtime import moe_native_ep, server_defaults
+from sglang_eaas.client import graph_check, overlap, sglang_moe, steps
+from sglang_eaas.cpu_runtime import attention, moe_native_ep, server_defaults
 from sglang_eaas.launcher import prepare
 
 
@@ -35,6 +35,7 @@ def _from_cli_args(server_args: Any, cls: type, args: Any) -> Any:
         raise SystemExit(f"error: {exc}") from None
     if eaas is not None:
         server_args._eaas = eaas  # bookkeeping attribute: pickled along to every worker
+        overlap.resolve(server_args)
     return server_args
 
 
@@ -71,10 +72,31 @@ HOOKS: tuple[Hook, ...] = (
         "--eaas: no routed-expert weights to post-process",
     ),
     Hook(
-        "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.forward",
+        "sglang.srt.layers.moe.fused_moe_triton.layer.create_moe_dispatcher",
         "AROUND",
-        sglang_moe.forward,
-        "--eaas: routed experts run on the expert servers (dispatch -> run -> combine)",
+        sglang_moe.create_moe_dispatcher,
+        "--eaas: MoE layers dispatch to the expert servers and combine their answers "
+        "(EaasDispatcher: dispatch_a/b, combine_a/b, as two-batch overlap calls them)",
+    ),
+    Hook(
+        "sglang.srt.layers.moe.fused_moe_triton.layer.FusedMoE.run_moe_core",
+        "AROUND",
+        sglang_moe.run_moe_core,
+        "--eaas: the experts ran on the expert servers; pass the dispatch handle to combine",
+    ),
+    *(Hook(
+        f"sglang.srt.models.qwen3_moe.Qwen3MoeSparseMoeBlock.{name}",
+        "AROUND",
+        getattr(overlap, name),
+        "--eaas with two-batch overlap: the MoE block's split dispatch/combine go to "
+        "EaasDispatcher whatever SGLang's EP size",
+    ) for name in ("op_dispatch_a", "op_dispatch_b", "op_combine_a", "op_combine_b")),
+    Hook(
+        "sglang.srt.batch_overlap.operations_strategy._compute_moe_qwen3_prefill",
+        "AROUND",
+        overlap.qwen3_prefill_strategy,
+        "two-batch overlap on a machine without CUDA: Qwen3-MoE's prefill operations with no "
+        "DeepGEMM SM budget",
     ),
     Hook(
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
@@ -108,6 +130,13 @@ HOOKS: tuple[Hook, ...] = (
         "AROUND",
         server_defaults.apply,
         "CPU runtime defaults: torch_native attention, sleep-on-idle, per-rank core binding",
+    ),
+    Hook(
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.__init__",
+        "AFTER",
+        attention.add_seq_len_fill_value,
+        "CPU runtime: two-batch overlap pads batches and asks the CPU attention backend for "
+        "the padded sequence length, which the torch-native backend lacks",
     ),
     Hook(
         "sglang.srt.layers.moe.fused_moe_native.moe_forward_native",

@@ -25,6 +25,7 @@ from ibgda import TransportError
 from sglang_eaas import transports
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.connection import ServerConnection
+from sglang_eaas.client.handles import Chunk, Dispatched, Sent
 from sglang_eaas.client.device_step import DeviceFailure, DeviceStep, drives_devices
 from sglang_eaas.client.metrics import TierMetrics
 from sglang_eaas.client.tier import ClientTier, TierSettings, View
@@ -32,7 +33,7 @@ from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor import HEARTBEAT
 from sglang_eaas.placement import NO_HOLDER, PlacedExperts, PlacementError
 from sglang_eaas.protocol import ProtocolError
-from sglang_eaas.protocol.slot import POLL_SPIN_US
+from sglang_eaas.protocol.slot import POLL_SPIN_US, ClientSlot
 from sglang_eaas.routing_table import RoutingTable
 
 WAIT_SLICE = 0.05  # seconds between checks, while waiting, of what the monitor said
@@ -47,11 +48,16 @@ class EaasClient:
                  result_timeout: float = 2.0, transport: str = transports.AUTO,
                  poll_spin: float = POLL_SPIN_US * 1e-6, monitor: str = "",
                  heartbeat: float = HEARTBEAT, wait_for_experts: float = 30.0,
-                 metrics: TierMetrics | None = None):
+                 metrics: TierMetrics | None = None, micro_batches: int = 1):
+        """``micro_batches``: 2 to have two layers in flight at once (two-batch overlap:
+        ``dispatch(micro_batch=i)``), each on a slot of its own at every server."""
         self.info, self.result_timeout, self.poll_spin = info, result_timeout, poll_spin
+        self.micro_batches = micro_batches
+        self.dispatched = [0] * micro_batches  # MoE layers sent, per micro-batch
         self.metrics = metrics or TierMetrics()
         self.tier = ClientTier(TierSettings(tuple(addresses), monitor, heartbeat, result_timeout,
-                                            transport, expected_experts, wait_for_experts),
+                                            transport, expected_experts, wait_for_experts,
+                                            micro_batches=micro_batches),
                                info, model, dtype, name, self.metrics)
         self._lock = threading.Lock()  # the view in use, the staged one, in_step
         self._staged: View | None = None
@@ -168,7 +174,8 @@ class EaasClient:
     # -- the data path ---------------------------------------------------------------------
     def forward(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
-        """``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` computed by the expert servers.
+        """``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` computed by the expert servers:
+        ``combine(dispatch(...))``.
 
         Args:
             hidden: ``[T, H]``; topk_ids: ``[T, K]`` global expert ids; topk_weights: ``[T, K]``.
@@ -179,69 +186,100 @@ class EaasClient:
             Rows that need an expert no live server holds lack that expert's share; they are
             recorded (``end_step``).
         """
+        return self.combine(self.dispatch(layer_id, hidden, topk_ids, topk_weights, row_offset))
+
+    def dispatch(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, row_offset: int = 0, micro_batch: int = 0
+                 ) -> Dispatched:
+        """Send the layer's rows (their first chunk of ``max_tokens``) to the expert servers
+        and return at once; ``combine`` waits for the answers. ``micro_batch``: which of this
+        client's slots per server carries them (two micro-batches may be in flight)."""
+        assert 0 <= micro_batch < self.micro_batches, (micro_batch, self.micro_batches)
         self._view_for(layer_id)
-        if self._device_step is not None:
-            return self._forward_device(layer_id, hidden, topk_ids, topk_weights, row_offset)
-        return self._forward_host(layer_id, hidden, topk_ids, topk_weights, row_offset)
+        handle = Dispatched(layer_id, hidden, topk_ids, topk_weights, row_offset, micro_batch)
+        self.dispatched[micro_batch] += 1
+        self.metrics.dispatched(micro_batch)
+        if self._device_step is None:  # the device path exchanges whole in combine
+            handle.ids, handle.out = topk_ids.cpu().numpy(), torch.zeros_like(hidden)
+            handle.step = self.max_tokens
+            if hidden.shape[0]:
+                self._start_chunk(handle, 0)
+        return handle
 
-    def _forward_host(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor, row_offset: int) -> torch.Tensor:
-        out = torch.zeros_like(hidden)
-        all_ids = topk_ids.cpu().numpy()
-        # Chunks of max_tokens consecutive tokens, as the device path makes them, so that each
-        # server computes the same batches (and bits) on both paths.
-        step = self.max_tokens
-        for start in range(0, hidden.shape[0], step):
-            stop = start + step
-            self._combine_chunk(layer_id, hidden[start:stop], all_ids[start:stop],
-                                topk_weights[start:stop], out[start:stop], row_offset + start)
-        return out
+    def combine(self, handle: Dispatched) -> torch.Tensor:
+        """Wait for ``handle``'s answers (sending its later chunks, and again the entries of
+        a server that failed) and return the sum, ``[T, H]``."""
+        if handle.out is None:
+            return self._forward_device(handle)
+        while handle.chunk is not None:
+            chunk = handle.chunk
+            sent = handle.sent
+            while True:
+                self._collect(handle, chunk, sent)
+                if not chunk.pending.any():
+                    break
+                sent = self._send(handle, chunk)
+            handle.chunk = None
+            if chunk.start + handle.step < handle.hidden.shape[0]:
+                self._start_chunk(handle, chunk.start + handle.step)
+        return handle.out
 
-    def _combine_chunk(self, layer_id: int, hidden: torch.Tensor, ids: np.ndarray,
-                       weights: torch.Tensor, out: torch.Tensor, first_row: int) -> None:
-        """Send every entry of the chunk to a holder of its expert and add what comes back;
-        the entries of a server that fails go again to the other holders."""
-        pending = ids >= 0
-        while pending.any():
-            table, conns = self.view.table, self.view.connections
-            server_of = table.assign(layer_id, np.where(pending, ids, -1))
-            orphans = server_of == NO_HOLDER
-            if orphans.any():
-                self._record_orphans(layer_id, ids, orphans, first_row)
-                pending &= ~orphans
-            sent = []
-            for index in np.unique(server_of[pending & (server_of >= 0)]).tolist():
-                conn = conns[table.servers[index]]
-                mask = server_of == index
-                rows = np.flatnonzero(mask.any(axis=1))
-                chosen = torch.from_numpy(np.where(mask, ids, -1)[rows].astype(np.int32))
-                rows_t = torch.from_numpy(rows).to(hidden.device)
-                try:
-                    conn.slot.send(layer_id, hidden[rows_t], chosen, weights[rows_t].float())
-                    self.metrics.sent(conn.address)
-                except (TransportError, ProtocolError) as exc:
-                    self._lose(conn, f"sending failed: {exc}", report=True)
-                    continue
-                sent.append((conn, rows_t, mask))
-            for conn, rows_t, mask in sent:
-                why = self._wait(conn, layer_id)
-                if why is not None:
-                    self._lose(conn, why, report=conn.lost_why is None)
-                    continue
-                try:
-                    result = conn.slot.result()
-                except ProtocolError as exc:  # answered, wrongly: a bug to see, not to route around
-                    raise TransportError(f"expert server {conn.address}: {exc}") from None
-                out.index_add_(0, rows_t, result.to(out.device))
-                pending &= ~mask
+    def _start_chunk(self, handle: Dispatched, start: int) -> None:
+        """Chunks of max_tokens consecutive rows, as the device path makes them, so that each
+        server computes the same batches (and bits) on both paths."""
+        rows = slice(start, start + handle.step)
+        handle.chunk = Chunk(start, handle.ids[rows] >= 0)
+        handle.sent = self._send(handle, handle.chunk)
 
-    def _wait(self, conn: ServerConnection, layer_id: int) -> str | None:
+    def _send(self, handle: Dispatched, chunk: Chunk) -> list[Sent]:
+        """Send every pending entry of ``chunk`` to a holder of its expert."""
+        layer_id, rows = handle.layer_id, slice(chunk.start, chunk.start + handle.step)
+        ids, hidden, weights = handle.ids[rows], handle.hidden[rows], handle.topk_weights[rows]
+        table, conns = self.view.table, self.view.connections
+        server_of = table.assign(layer_id, np.where(chunk.pending, ids, -1))
+        orphans = server_of == NO_HOLDER
+        if orphans.any():
+            self._record_orphans(layer_id, ids, orphans, handle.row_offset + chunk.start)
+            chunk.pending &= ~orphans
+        sent = []
+        for index in np.unique(server_of[chunk.pending & (server_of >= 0)]).tolist():
+            conn = conns[table.servers[index]]
+            mask = server_of == index
+            picked = np.flatnonzero(mask.any(axis=1))
+            chosen = torch.from_numpy(np.where(mask, ids, -1)[picked].astype(np.int32))
+            picked_t = torch.from_numpy(picked).to(hidden.device)
+            try:
+                conn.slots[handle.micro_batch].send(layer_id, hidden[picked_t], chosen,
+                                                    weights[picked_t].float())
+                self.metrics.sent(conn.address)
+            except (TransportError, ProtocolError) as exc:
+                self._lose(conn, f"sending failed: {exc}", report=True)
+                continue
+            sent.append(Sent(conn, picked_t + chunk.start, mask))
+        return sent
+
+    def _collect(self, handle: Dispatched, chunk: Chunk, sent: list[Sent]) -> None:
+        """Add what ``sent`` brings back; a server that fails leaves its entries pending."""
+        for conn, rows, mask in sent:
+            slot = conn.slots[handle.micro_batch]
+            why = self._wait(conn, slot, handle.layer_id)
+            if why is not None:
+                self._lose(conn, why, report=conn.lost_why is None)
+                continue
+            try:
+                result = slot.result()
+            except ProtocolError as exc:  # answered, wrongly: a bug to see, not to route around
+                raise TransportError(f"expert server {conn.address}: {exc}") from None
+            handle.out.index_add_(0, rows, result.to(handle.out.device))
+            chunk.pending &= ~mask
+
+    def _wait(self, conn: ServerConnection, slot: ClientSlot, layer_id: int) -> str | None:
         """Wait for ``conn``'s answer; ``None`` once it is there, else why it will not come."""
         deadline = time.monotonic() + self.result_timeout
         spin = self.poll_spin
         while True:
             remaining = deadline - time.monotonic()
-            if conn.slot.wait(max(0.0, min(WAIT_SLICE, remaining)), spin):
+            if slot.wait(max(0.0, min(WAIT_SLICE, remaining)), spin):
                 return None
             spin = 0.0
             if conn.lost_why is not None:
@@ -275,14 +313,15 @@ class EaasClient:
             self._record_orphans(layer_id, ids, self.view.table.assign(layer_id, ids) == NO_HOLDER,
                                  row_offset)
 
-    def _forward_device(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                        topk_weights: torch.Tensor, row_offset: int) -> torch.Tensor:
+    def _forward_device(self, handle: Dispatched) -> torch.Tensor:
         """The device exchange; a failed server is dropped and the layer run again without it
         (eager mode: the check reads the status after the layer)."""
+        h = handle
         while True:
-            self.note_orphans(layer_id, topk_ids, row_offset)
+            self.note_orphans(h.layer_id, h.topk_ids, h.row_offset)
             try:
-                return self._device_step.forward(layer_id, hidden, topk_ids, topk_weights)
+                return self._device_step.forward(h.layer_id, h.hidden, h.topk_ids,
+                                                 h.topk_weights)
             except DeviceFailure as failure:
                 if failure.unanswered != set(failure.servers):
                     raise  # answered wrongly: a bug to see, not to route around
@@ -290,9 +329,12 @@ class EaasClient:
                     conn = self.view.connections.get(address)
                     if conn is not None:
                         self._lose(conn, why, report=True)
-                if self._device_step is None:  # no server left on the device path
-                    return self._forward_host(layer_id, hidden, topk_ids, topk_weights,
-                                              row_offset)
+                if self._device_step is None:  # no server left on the device path: the host's
+                    h.ids, h.out = h.topk_ids.cpu().numpy(), torch.zeros_like(h.hidden)
+                    h.step = self.max_tokens
+                    if h.hidden.shape[0]:
+                        self._start_chunk(h, 0)
+                    return self.combine(h)
 
     def close(self) -> None:
         self.tier.close()

@@ -1,4 +1,5 @@
-"""One attention client's connection to one expert server: a joined slot and its control channel."""
+"""One attention client's connection to one expert server: its joined slots (one per micro-batch
+in flight) and its control channel."""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ class ServerConnection:
 
     def __init__(self, address: str, client_name: str, model: ModelIdentity, dtype: str,
                  token: str | None = None, transport: str = transports.AUTO,
-                 timeout: float = 30.0, incarnation: str = "", client_incarnation: str = ""):
-        """Join in two steps: ``join`` reserves a slot, ``ready`` (sent once the region is
-        mapped here) makes the server poll it; a failure in between frees the slot.
+                 timeout: float = 30.0, incarnation: str = "", client_incarnation: str = "",
+                 slots: int = 1):
+        """Join in two steps per slot: ``join`` reserves a slot, ``ready`` (sent once the
+        region is mapped here) makes the server poll it; a failure in between frees the slot.
+        ``slots``: how many (1, or 2 for two micro-batches in flight: ``slots[i]`` is micro-batch
+        ``i``'s).
 
         ``incarnation``: the server's, as the monitor knows it ("" for a server the monitor
         does not know); ``client_incarnation``: this client's, so the server takes the slot
@@ -27,27 +31,35 @@ class ServerConnection:
         self.address, self.incarnation = address, incarnation
         self.client_incarnation = client_incarnation  # the one this slot belongs to
         self.lost_why: str | None = None  # set when this server is known lost: stop waiting
-        self.slot = self.region = None
+        self.slots: list[ClientSlot] = []
+        self.region = None
         self.device_channel = None  # client.device_step.DeviceChannel, made on first use
         self._channel = Channel(address, envs.TOKEN.get() if token is None else token,
                                        timeout)
         try:
-            reply = JoinReply.from_message(self._channel.call(
-                "join", client=client_name, fingerprint=model.fingerprint,
-                dtype=dtype_name(dtype), transport=transport,
-                expert_digests=list(model.expert_digests), incarnation=client_incarnation))
-            self.layout = reply.layout
-            self.experts: list[int] = reply.experts  # held in at least one layer
-            self.layer_experts: dict[int, list[int]] = reply.layer_experts
-            self.moe_layers: list[int] = reply.moe_layers
-            handle = RegionHandle.from_dict(reply.region)
-            self.region = create_transport(handle.backend).connect(handle)
-            self.slot = ClientSlot(self.region, reply.base, self.layout, reply.bell,
-                                   reply.first_seq)
-            self._channel.call("ready")
+            for _ in range(slots):
+                reply = JoinReply.from_message(self._channel.call(
+                    "join", client=client_name, fingerprint=model.fingerprint,
+                    dtype=dtype_name(dtype), transport=transport,
+                    expert_digests=list(model.expert_digests), incarnation=client_incarnation))
+                self.layout = reply.layout
+                self.experts: list[int] = reply.experts  # held in at least one layer
+                self.layer_experts: dict[int, list[int]] = reply.layer_experts
+                self.moe_layers: list[int] = reply.moe_layers
+                if self.region is None:  # every slot of a server is in its one region
+                    handle = RegionHandle.from_dict(reply.region)
+                    self.region = create_transport(handle.backend).connect(handle)
+                self.slots.append(ClientSlot(self.region, reply.base, self.layout, reply.bell,
+                                             reply.first_seq))
+                self._channel.call("ready")
         except BaseException:
             self.close()
             raise
+
+    @property
+    def slot(self) -> ClientSlot | None:
+        """Micro-batch 0's slot (the only one without two-batch overlap)."""
+        return self.slots[0] if self.slots else None
 
     def closed_by_server(self) -> bool:
         """Whether the server closed the control connection (it died, or took the slot back):
@@ -63,12 +75,13 @@ class ServerConnection:
     def close(self) -> None:
         """Leave the slot (OFFLINE), wait for the server to take it back, close the control
         channel. A server that is already gone needs no goodbye."""
-        if self.slot is not None:
-            # The slot is ours to mark OFFLINE only while the server has not taken it back
-            # (it closes the connection when it does, and may hand the slot to another client).
+        if self.slots:
+            # The slots are ours to mark OFFLINE only while the server has not taken them back
+            # (it closes the connection when it does, and may hand them to another client).
             if not self.closed_by_server():
-                self.slot.leave()
-            self.slot = None
+                for slot in self.slots:
+                    slot.leave()
+            self.slots = []
             try:
                 self._channel.settimeout(LEAVE_TIMEOUT)  # a hung server must not hang our exit
                 self._channel.call("leave")

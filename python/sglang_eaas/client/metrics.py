@@ -37,6 +37,9 @@ class TierMetrics:
     def failed_requests(self, count: int) -> None:
         pass
 
+    def dispatched(self, micro_batch: int) -> None:
+        pass
+
     def view(self, view: "View") -> None:
         pass
 
@@ -57,6 +60,9 @@ class PrometheusTierMetrics(TierMetrics):
                                   "from the routing table by this rank", per_server)
         self._failed = Counter("sglang_eaas_failed_requests", "Requests ended because an expert "
                                "they needed had no live holder", ["rank"]).labels(**labels)
+        self._layers = Counter(
+            "sglang_eaas_dispatched_layers", "MoE layers sent to the expert servers, by "
+            "micro-batch (1: the second one of two-batch overlap)", ["rank", "micro_batch"])
         gauge = dict(labelnames=["rank"], multiprocess_mode="livemostrecent")
         self._epoch = Gauge("sglang_eaas_table_epoch", "Epoch of the routing table in use",
                             **gauge).labels(**labels)
@@ -85,6 +91,9 @@ class PrometheusTierMetrics(TierMetrics):
 
     def failed_requests(self, count: int) -> None:
         self._failed.inc(count)
+
+    def dispatched(self, micro_batch: int) -> None:
+        self._layers.labels(rank=self._rank, micro_batch=str(micro_batch)).inc()
 
     def view(self, view: "View") -> None:
         self._epoch.set(view.epoch)

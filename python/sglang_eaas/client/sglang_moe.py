@@ -43,7 +43,8 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
                              expected_experts=expected, transport=cfg.transport,
                              poll_spin=cfg.poll_spin_us * 1e-6, monitor=cfg.monitor,
                              heartbeat=cfg.heartbeat, result_timeout=cfg.result_timeout,
-                             metrics=_metrics(server_args))
+                             metrics=_metrics(server_args),
+                             micro_batches=2 if overlapped(server_args) else 1)
         atexit.register(_client.close)
         logger.info("sglang-eaas: %s joined expert servers %s over %s%s (monitor %s, routing "
                     "table epoch %d)", name, ", ".join(c.address for c in _client.connections),
@@ -51,6 +52,12 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
                     "; the exchange runs on the device" if _client.device_step else "",
                     cfg.monitor, _client.table.epoch)
     return _client
+
+
+def overlapped(server_args: Any) -> bool:
+    """Whether SGLang runs two micro-batches interleaved (two-batch overlap): then each may
+    have a MoE layer in flight, on a slot of its own at every expert server."""
+    return bool(getattr(server_args, "enable_two_batch_overlap", False))
 
 
 def _metrics(server_args: Any) -> TierMetrics:
@@ -75,7 +82,7 @@ def create_weights(create: Callable, method: Any, layer: torch.nn.Module, num_ex
         return create(method, layer, num_experts, hidden_size, intermediate_size_per_partition,
                       params_dtype, **kwargs)
     method.with_bias = kwargs.get("with_bias", False)
-    layer._eaas_client = _shared_client(params_dtype)
+    layer._eaas_client = method._eaas_client = _shared_client(params_dtype)
 
 
 def process_weights_after_loading(process: Callable, method: Any, layer: torch.nn.Module):
@@ -85,32 +92,27 @@ def process_weights_after_loading(process: Callable, method: Any, layer: torch.n
     return process(method, layer)
 
 
-def forward(fused_moe_forward: Callable, layer: torch.nn.Module, hidden_states: torch.Tensor,
-            topk_output: Any, *args, **kwargs) -> torch.Tensor:
-    """AROUND ``FusedMoE.forward``: the routed experts run on the expert servers.
+def create_moe_dispatcher(create: Callable, moe_runner_config: Any, quant_method: Any) -> Any:
+    """AROUND SGLang's ``create_moe_dispatcher``: a layer whose experts are remote (its quant
+    method joined the expert servers in ``create_weights``) gets ``EaasDispatcher``: dispatch
+    sends to the expert servers, combine sums what they answer."""
+    client = getattr(quant_method, "_eaas_client", None)
+    if client is None:
+        return create(moe_runner_config, quant_method)
+    from sglang_eaas.client.dispatcher import EaasDispatcher  # imports SGLang's MoE layers
 
-    With attention TP, every rank holds the same tokens: rank r sends the r-th contiguous share
-    and leaves zeros elsewhere, so the TP all-reduce (here when the layer reduces its results,
-    otherwise in the decoder layer, exactly where SGLang does it) assembles the full output.
-    """
-    client: EaasClient | None = getattr(layer, "_eaas_client", None)
-    if client is None:  # monolithic SGLang (checked at load time, see ``check_loaded_model``)
-        return fused_moe_forward(layer, hidden_states, topk_output, *args, **kwargs)
-    ids, weights = topk_output.topk_ids, topk_output.topk_weights
-    tokens, rank, ranks = hidden_states.shape[0], layer.moe_tp_rank, layer.moe_tp_size
-    if ranks == 1:
-        return client.forward(layer.layer_id, hidden_states, ids, weights)
-    share = slice(tokens * rank // ranks, tokens * (rank + 1) // ranks)
-    out = torch.zeros_like(hidden_states)
-    client.note_orphans(layer.layer_id, ids)  # every rank names every row that cannot be done
-    if share.stop > share.start:
-        out[share] = client.forward(layer.layer_id, hidden_states[share], ids[share],
-                                    weights[share], row_offset=share.start)
-    if layer.reduce_results:
-        from sglang.srt.distributed import tensor_model_parallel_all_reduce
+    return EaasDispatcher(client, moe_runner_config.layer_id)
 
-        out = tensor_model_parallel_all_reduce(out)
-    return out
+
+def run_moe_core(run: Callable, layer: torch.nn.Module, dispatch_output: Any) -> Any:
+    """AROUND ``FusedMoE.run_moe_core``: under --eaas the experts run on the servers, so
+    nothing runs here; the dispatch handle goes on to ``combine``."""
+    if getattr(layer, "_eaas_client", None) is None:
+        return run(layer, dispatch_output)
+    from sglang_eaas.client.dispatcher import EaasCombineInput
+
+    return EaasCombineInput(dispatch_output.hidden_states, dispatch_output.handle,
+                            dispatch_output.share)
 
 
 def skip_routed_expert_weights(get_all_weights: Callable, loader: Any, model_config: Any,

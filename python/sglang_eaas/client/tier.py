@@ -76,6 +76,7 @@ class TierSettings:
     expected: Mapping[str, PlacedExperts] | None = None  # a placement file's entries
     wait_for_experts: float = 30.0  # seconds to wait at start until every expert has a holder
     token: str | None = field(default=None, repr=False)
+    micro_batches: int = 1  # slots per server: 2 with two-batch overlap (one per micro-batch)
 
 
 class ClientTier:
@@ -150,7 +151,7 @@ class ClientTier:
                                 token=self._token(), transport=self.settings.transport,
                                 timeout=timeout, incarnation=incarnation,
                                 client_incarnation=self.presence.incarnation
-                                if self.presence else "")
+                                if self.presence else "", slots=self.settings.micro_batches)
 
     def _check_expected(self) -> None:
         expected = self.settings.expected

@@ -2,8 +2,10 @@
 
 The messages are ``protocol/control.py``'s, over the authenticated line channel
 (``endpoint.LineEndpoint``). A client keeps its connection open for as long as it uses its
-slot: when the connection closes at any step (client exit or crash), the slot returns to the
-pool; ``leave`` only makes the return synchronous, so a client that closes knows it is done.
+slots: when the connection closes at any step (client exit or crash), they return to the pool;
+``leave`` only makes the return synchronous, so a client that closes knows it is done. One
+connection may join up to ``SLOTS_PER_CONNECTION`` times: a client with two micro-batches in
+flight (two-batch overlap) has a slot for each.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from sglang_eaas.endpoint import LineEndpoint
-from sglang_eaas.protocol.control import OPS, Drain, JoinRequest
+from sglang_eaas.protocol.control import OPS, SLOTS_PER_CONNECTION, Drain, JoinRequest
 from sglang_eaas.protocol.lines import ControlError
 
 if TYPE_CHECKING:
@@ -25,26 +27,32 @@ def control_endpoint(server: "ExpertServer", host: str, port: int, token: str) -
 
 
 class ControlSession:
-    """One client's connection: at most one join, whose membership ends with the connection."""
+    """One client's connection: its joins (each a slot), whose memberships end with it."""
 
     ops = OPS
 
     def __init__(self, server: "ExpertServer", connection: socket.socket):
         self.server, self.connection = server, connection
-        self.member: Membership | None = None
+        self.members: list[Membership] = []
         self.closing = False
 
     def handle(self, op: str, message: dict[str, Any]) -> dict[str, Any]:
         if op == "join":
             request = JoinRequest.from_message(message)  # a malformed join is that, first
-            if self.member is not None:
-                raise ControlError("out_of_order", "this connection already joined")
-            reply, self.member = self.server.join(request, self.connection)
+            if self.members and not self.members[-1].active:
+                raise ControlError("out_of_order", "'join' must follow the last join's 'ready'")
+            if len(self.members) >= SLOTS_PER_CONNECTION:
+                raise ControlError("out_of_order", (
+                    f"this connection already holds {SLOTS_PER_CONNECTION} slots"))
+            if self.members and request.client != self.members[0].client:
+                raise ControlError("out_of_order", "one connection's slots are one client's")
+            reply, member = self.server.join(request, self.connection)
+            self.members.append(member)
             return reply.to_message()
         if op == "ready":
-            if self.member is None or self.member.active:
+            if not self.members or self.members[-1].active:
                 raise ControlError("out_of_order", "'ready' must follow one 'join'")
-            self.member.activate()
+            self.members[-1].activate()
             return {}
         if op == "stats":
             return {"stats": self.server.stats_message()}
@@ -55,6 +63,6 @@ class ControlSession:
         return {}
 
     def close(self) -> None:
-        if self.member is not None:
-            self.member.release()
-            self.member = None
+        members, self.members = self.members, []
+        for member in members:
+            member.release()

@@ -178,13 +178,21 @@ class ExpertServer:
                 "expert_digests": {str(e): d for e, d in self.digests.items()},
                 "experts": self.experts, "layer_experts": self.layer_experts_message(),
                 "num_experts": self.info.num_experts,
-                "clients": len(self._active), **self.control.counters(),
+                "clients": self.client_count(), "slots": len(self._active),
+                **self.control.counters(),
                 **({} if self.tier is None else self.tier.counters())}
 
     def load(self) -> dict[str, int]:
         """What the heartbeat tells the monitor (``status`` shows it)."""
         return {"requests": self.stats["requests"], "tokens": self.stats["tokens"],
-                "clients": len(self._active)}
+                "clients": self.client_count()}
+
+    def client_count(self) -> int:
+        """Clients using this server now (one control connection each, holding 1-2 slots)."""
+        with self._lock:
+            members = list(self._members.values())
+        return len({id(m.connection) if m.connection is not None else id(m)
+                    for m in members if m.active and not m.released})
 
     def healthy(self, stall: float = 5.0) -> bool:
         """Whether the serving loop passed within ``stall`` seconds (it passes at least every

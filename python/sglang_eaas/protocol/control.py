@@ -38,6 +38,9 @@ class JoinRequest(Message):
     op = "join"
 
 
+SLOTS_PER_CONNECTION = 2  # one per micro-batch in flight (two-batch overlap)
+
+
 @dataclass(frozen=True)
 class JoinReply:
     """Where the reserved slot is, and what the server holds."""

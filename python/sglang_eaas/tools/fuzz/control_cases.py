@@ -14,6 +14,7 @@ import json
 import random
 from dataclasses import dataclass
 
+from sglang_eaas.protocol.control import SLOTS_PER_CONNECTION
 from sglang_eaas.protocol.lines import AUTH_PREFIX, MAX_AUTH_LINE, MAX_LINE
 
 OK = "ok"  # a line the server accepts
@@ -138,21 +139,25 @@ class ControlCaseMaker:
         return self._finish("session: bad messages", lines)
 
     def _joined_session(self) -> ControlCase:
-        """A valid join, then bad and out-of-order messages, then leave (the slot returns)."""
+        """A valid join, then bad and out-of-order messages, then leave (the slots return). A
+        join is in order only after the last join's 'ready', up to SLOTS_PER_CONNECTION."""
         lines = [Line(self.auth, None), Line(json.dumps(self.valid_join()).encode() + b"\n", OK)]
-        ready = False
+        ready, slots = False, 1
         for _ in range(self.rng.randint(1, 8)):
             what = self.rng.random()
+            may_join = ready and slots < SLOTS_PER_CONNECTION
             if what < 0.2:
                 lines.append(Line(message(op="ready"), "out_of_order" if ready else OK))
                 ready = True
             elif what < 0.35:
                 lines.append(Line(json.dumps(self.valid_join()).encode() + b"\n",
-                                  "out_of_order"))
+                                  OK if may_join else "out_of_order"))
+                if may_join:
+                    ready, slots = False, slots + 1
             elif what < 0.45:
                 lines.append(Line(message(op="stats", junk=[1, {"x": None}]), OK))
-            else:
-                lines.append(self._bad_message(joined=True))  # never a 'ready' (above)
+            else:  # never a 'ready' before a join (above); a failing join fails its checks
+                lines.append(self._bad_message(joined=not may_join))
         lines.append(Line(message(op="leave"), OK))
         return ControlCase("session: joined, bad messages, leave", tuple(lines), closes=True)
 
