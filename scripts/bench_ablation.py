@@ -1,0 +1,180 @@
+"""Benchmark: what each of --eaas's optimisations is worth, against monolithic SGLang.
+
+In one run on the generated bench checkpoint, one server after the other (the same workload as
+scripts/bench_eaas.py: for each batch size B, B concurrent streaming greedy ``/generate``
+requests of random prompt ids):
+
+* monolithic SGLang;
+* eaas with everything: ``--eaas --eaas-expert-servers local:N --enable-two-batch-overlap``
+  (the fast expert kernel with group shrink is the expert servers' default);
+* eaas with one optimisation off at a time: no two-batch overlap, ``--eaas-disable-shrink``
+  (the kernel walks every expert of a layer), ``--eaas-kernel reference`` (SGLang's op order,
+  expert by expert in Python: what the servers ran before the fast kernel).
+
+Prints tok/s and TPOT per configuration and batch size, each as a ratio to monolithic SGLang
+measured in the same run, and each optimisation's share (the throughput lost without it, as
+the paper's ablation reports it), and saves a bar chart (PNG) next to the report. CUDA-graph
+capture, the paper's third switch, has no CPU counterpart: SGLang's CPU runtime runs eagerly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import requests
+
+from sglang_eaas import cpu_runtime
+from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
+from sglang_eaas.tools.server_process import CPU_ARGS, ServerError
+
+from bench_eaas import Result, Workload, bench_server
+from bench_lib.report import Report, default_out, say
+
+ROOT = Path(__file__).resolve().parent.parent
+OVERLAP = ("--enable-two-batch-overlap",)
+
+
+def configurations(servers: int) -> dict[str, tuple[str, ...]]:
+    """Name -> SGLang arguments beyond the CPU runtime's."""
+    eaas = ("--eaas", "--eaas-expert-servers", f"local:{servers}")
+    return {
+        "monolithic": (),
+        "eaas, everything": (*eaas, *OVERLAP),
+        "no overlap": eaas,
+        "no group shrink": (*eaas, *OVERLAP, "--eaas-disable-shrink"),
+        "reference kernel": (*eaas, *OVERLAP, "--eaas-kernel", "reference"),
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="The default run takes about 12-15 minutes on 2 CPU cores (five server starts). "
+        "Run it on an otherwise idle machine: other load skews the ratios.")
+    parser.add_argument("--servers", type=int, default=2,
+                        help="expert servers of the eaas runs (local:N); default 2")
+    parser.add_argument("--batch-sizes", default="1,8,32",
+                        help="comma-separated numbers of concurrent requests; default 1,8,32")
+    parser.add_argument("--input-len", type=int, default=32,
+                        help="prompt length in tokens (random token ids); default 32")
+    parser.add_argument("--output-len", type=int, default=32,
+                        help="tokens generated per request (ignore_eos); default 32")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="measured rounds per batch size; the median is reported; default 2")
+    parser.add_argument("--only", default="",
+                        help="comma-separated configuration names to run (monolithic always "
+                        "runs: it is the baseline); default all")
+    parser.add_argument("--log-dir", type=Path, default=ROOT / ".cache" / "logs",
+                        help="where the server logs go; default .cache/logs")
+    parser.add_argument("--out", type=Path, default=default_out("ablation"),
+                        help="markdown report (the chart goes next to it, same name .png); "
+                        "default %(default)s")
+    args = parser.parse_args()
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.servers < 1 or min(args.batch_sizes) < 1 or args.rounds < 1:
+        parser.error("--servers, --batch-sizes and --rounds must be >= 1")
+    if args.input_len < 1 or args.output_len < 2:
+        parser.error("--input-len must be >= 1 and --output-len >= 2 (TPOT needs two tokens)")
+    known = configurations(args.servers)
+    args.only = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in args.only if n not in known]
+    if unknown:
+        parser.error(f"--only: unknown configurations {unknown} (known: {', '.join(known)})")
+    return args
+
+
+def table(results: dict[str, dict[int, Result]]) -> str:
+    mono = results["monolithic"]
+    lines = ["| configuration | batch | tok/s | vs monolithic | TPOT ms | vs monolithic |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, by_batch in results.items():
+        for batch, r in by_batch.items():
+            m = mono[batch]
+            lines.append(f"| {name} | {batch} | {r.tok_per_s:.1f} | "
+                         f"{r.tok_per_s / m.tok_per_s:.2f}x | {r.tpot_ms:.1f} | "
+                         f"{r.tpot_ms / m.tpot_ms:.2f}x |")
+    return "\n".join(lines)
+
+
+def shares(results: dict[str, dict[int, Result]]) -> str:
+    """Per optimisation and batch size: the throughput lost when it is off, as a fraction of
+    eaas-with-everything's (the paper's Fig. 14 way)."""
+    full = results.get("eaas, everything")
+    if full is None:
+        return ""
+    lines = ["| optimisation off | " + " | ".join(f"batch {b}" for b in full) + " |",
+             "|---|" + "---:|" * len(full)]
+    for name, by_batch in results.items():
+        if name in ("monolithic", "eaas, everything"):
+            continue
+        lines.append(f"| {name} | " + " | ".join(
+            f"{(1 - by_batch[b].tok_per_s / full[b].tok_per_s) * 100:+.1f}% lost"
+            for b in full) + " |")
+    return "\n".join(lines)
+
+
+def chart(results: dict[str, dict[int, Result]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mono = results["monolithic"]
+    batches = list(mono)
+    names = list(results)
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, name in enumerate(names):
+        ratios = [results[name][b].tok_per_s / mono[b].tok_per_s for b in batches]
+        ax.bar([x + i * width for x in range(len(batches))], ratios, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(batches))],
+                  [f"batch {b}" for b in batches])
+    ax.set_ylabel("output tok/s / monolithic SGLang")
+    ax.set_title("--eaas ablation on the bench checkpoint (2 CPU cores)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    args = parse_args()
+    report = Report(args.out)
+    model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    workload = Workload(args.input_len, args.output_len, vocab_size)
+    base = CPU_ARGS if cpu_runtime.is_active() else ()
+    chosen = {name: extra for name, extra in configurations(args.servers).items()
+              if name == "monolithic" or not args.only or name in args.only}
+    results: dict[str, dict[int, Result]] = {}
+    try:
+        for name, extra in chosen.items():
+            results[name] = bench_server(name.replace(", ", "-").replace(" ", "-"), model,
+                                         (*base, *extra), args.log_dir, args.batch_sizes,
+                                         workload, args.rounds)
+    except ServerError as exc:
+        print(f"bench: error: a server failed to start: {exc}", file=sys.stderr)
+        return 1
+    except (requests.RequestException, RuntimeError) as exc:
+        print(f"bench: error while measuring: {exc}", file=sys.stderr)
+        return 1
+    png = args.out.with_suffix(".png")
+    chart(results, png)
+    args_of = "; ".join(f"{n}: `{' '.join(e) or '(no --eaas)'}`" for n, e in chosen.items())
+    report.add(f"bench checkpoint `{model.name}`; per batch size B: B concurrent streaming "
+               f"requests of {args.input_len} random prompt tokens and {args.output_len} output "
+               f"tokens, median of {args.rounds} rounds after one warm-up round. "
+               f"Configurations: {args_of}.\n\n" + table(results))
+    if shares(results):
+        report.add("Throughput lost with each optimisation off (against eaas with "
+                   "everything):\n\n" + shares(results))
+    report.add(f"Chart: `{png.name}`.")
+    report.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
