@@ -35,6 +35,7 @@ from sglang_eaas.placement import (
     load_placement_file,
 )
 from sglang_eaas.routing_table import RoutingTable
+from sglang_eaas.tools.server_process import free_port
 
 logger = logging.getLogger(__name__)
 DEFAULT_LOCAL = LocalServers(2)
@@ -56,9 +57,11 @@ def sglang_dtype(model_path: str, dtype: str) -> str:
 
 
 def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
-                           num_ranks: int) -> EaasConfig:
+                           num_ranks: int, sglang_ports: frozenset[int] = frozenset()
+                           ) -> EaasConfig:
     """Start the monitor and local servers or check remote ones; returns the config workers
-    should use (the monitor's URL, the servers' addresses)."""
+    should use (the monitor's URL, the servers' addresses). ``sglang_ports``: SGLang's own,
+    bound only once its workers are up, so neither the monitor nor a local server takes them."""
     info = MoeModelInfo.from_model_path(model_path)
     planned = load_placement_file(cfg.placement) if cfg.placement else None
     servers = cfg.expert_servers
@@ -87,12 +90,13 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
                            list(info.moe_layers), info.num_experts)
         if not envs.TOKEN.get():  # inherited by the monitor, local servers and workers
             os.environ[envs.TOKEN.name] = secrets.token_hex(16)
-        cfg = dataclasses.replace(cfg, monitor=start_monitor(cfg))
+        cfg = dataclasses.replace(cfg, monitor=start_monitor(cfg, sglang_ports))
         logger.info("sglang-eaas: starting %d local expert servers: %s", len(placements),
                     placements)
         backend = "shm" if cfg.transport == transports.AUTO else cfg.transport
         local = start_local_servers(model_path, placements, sglang_dtype(model_path, dtype),
-                                    max(8, num_ranks),
+                                    max(8, control.SLOTS_PER_CONNECTION * num_ranks),
+                                    avoid_ports=sglang_ports,
                                     extra_args=("--transport", backend, "--monitor", cfg.monitor,
                                                 "--heartbeat", str(cfg.heartbeat),
                                                 *(("--kernel", cfg.kernel) if cfg.kernel
@@ -121,10 +125,11 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
             raise PlacementError(f"expert server {address} holds experts {held[address]} (per "
                                  f"MoE layer), {cfg.placement} says {planned[address]}")
     RoutingTable.build(0, held, list(info.moe_layers), info.num_experts)
-    return dataclasses.replace(cfg, expert_servers=servers, monitor=start_monitor(cfg))
+    return dataclasses.replace(cfg, expert_servers=servers,
+                               monitor=start_monitor(cfg, sglang_ports))
 
 
-def start_monitor(cfg: EaasConfig) -> str:
+def start_monitor(cfg: EaasConfig, avoid_ports: frozenset[int] = frozenset()) -> str:
     """The monitor's URL for workers and servers; an embedded one is started here, in the
     launcher process, and lives as long as it does."""
     spec = cfg.monitor
@@ -136,6 +141,8 @@ def start_monitor(cfg: EaasConfig) -> str:
     from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 
     host, port = spec.address.rsplit(":", 1)
+    if int(port) == 0:  # a free port, but not one SGLang is about to bind
+        port = str(free_port(avoid_ports))
     try:
         monitor = MonitorServer(MonitorConfig(host, int(port), envs.TOKEN.get(),
                                               cfg.loss_timeout)).start()
@@ -215,5 +222,6 @@ def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         ranks = server_args.tp_size * server_args.pp_size * max(server_args.dp_size, 1)
         server_args._eaas = prepare_expert_servers(cfg, server_args.model_path,
-                                                   server_args.dtype, ranks)
+                                                   server_args.dtype, ranks,
+                                                   frozenset({server_args.port}))
     return launch(cls, server_args, *args, **kwargs)

@@ -22,10 +22,15 @@ import requests
 CPU_ARGS = ("--device", "cpu", "--max-total-tokens", "4096")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(avoid: frozenset[int] = frozenset()) -> int:
+    """A port free now on loopback, not one of ``avoid`` (ports a process about to start has
+    been told to bind, but has not bound yet: SGLang's HTTP port, while its model loads)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 class ServerError(RuntimeError):
