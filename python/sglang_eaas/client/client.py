@@ -251,6 +251,7 @@ class EaasClient:
             try:
                 conn.slots[handle.micro_batch].send(layer_id, hidden[picked_t], chosen,
                                                     weights[picked_t].float())
+                conn.in_flight += 1
                 self.metrics.sent(conn.address)
             except (TransportError, ProtocolError) as exc:
                 self._lose(conn, f"sending failed: {exc}", report=True)
@@ -262,16 +263,19 @@ class EaasClient:
         """Add what ``sent`` brings back; a server that fails leaves its entries pending."""
         for conn, rows, mask in sent:
             slot = conn.slots[handle.micro_batch]
-            why = self._wait(conn, slot, handle.layer_id)
-            if why is not None:
-                self._lose(conn, why, report=conn.lost_why is None)
-                continue
             try:
-                result = slot.result()
-            except ProtocolError as exc:  # answered, wrongly: a bug to see, not to route around
-                raise TransportError(f"expert server {conn.address}: {exc}") from None
-            handle.out.index_add_(0, rows, result.to(handle.out.device))
-            chunk.pending &= ~mask
+                why = self._wait(conn, slot, handle.layer_id)
+                if why is not None:
+                    self._lose(conn, why, report=conn.lost_why is None)
+                    continue
+                try:
+                    result = slot.result()
+                except ProtocolError as exc:  # answered, wrongly: a bug to see, not to hide
+                    raise TransportError(f"expert server {conn.address}: {exc}") from None
+                handle.out.index_add_(0, rows, result.to(handle.out.device))
+                chunk.pending &= ~mask
+            finally:
+                conn.in_flight -= 1
 
     def _wait(self, conn: ServerConnection, slot: ClientSlot, layer_id: int) -> str | None:
         """Wait for ``conn``'s answer; ``None`` once it is there, else why it will not come."""

@@ -31,6 +31,9 @@ class ServerConnection:
         self.address, self.incarnation = address, incarnation
         self.client_incarnation = client_incarnation  # the one this slot belongs to
         self.lost_why: str | None = None  # set when this server is known lost: stop waiting
+        # Requests sent and not collected yet (two micro-batches may have one each): the tier
+        # unmaps a dropped connection's region only at 0, never under a wait still to come.
+        self.in_flight = 0
         self.slots: list[ClientSlot] = []
         self.region = None
         self.device_channel = None  # client.device_step.DeviceChannel, made on first use

@@ -440,9 +440,14 @@ class ClientTier:
                 self.on_view(view)
 
     def _close_adopted(self) -> None:
+        """Close the connections the data path no longer uses: dropped from a view it has
+        adopted, and with no request of either micro-batch still to be collected (a wait on
+        an unmapped slot would crash the process)."""
         with self._lock:
-            done = [c for epoch, c in self._retired if epoch <= self.adopted_epoch]
-            self._retired = [(e, c) for e, c in self._retired if e > self.adopted_epoch]
+            done = [c for epoch, c in self._retired
+                    if epoch <= self.adopted_epoch and not c.in_flight]
+            self._retired = [(e, c) for e, c in self._retired
+                             if e > self.adopted_epoch or c.in_flight]
         for conn in done:  # a hung server makes close() wait LEAVE_TIMEOUT: not on this thread
             threading.Thread(target=conn.close, name="eaas-close", daemon=True).start()
 
