@@ -13,6 +13,15 @@ import triton.language as tl
 MAX_EXPERTS = 4096  # one block holds all E counts: a single program scans them
 
 
+# The kernels here use only core ``tl`` builtins and jit functions of their own: ``tl.cumsum``,
+# ``tl.sum`` and friends are jit functions of triton.language, fixed at its import as compiled
+# or interpreted, so under TRITON_INTERPRET=1 set after Triton was first imported (the tests,
+# in a process that imported SGLang) they would refuse to run.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
 @triton.jit
 def group_shrink_kernel(counts_ptr, expert_ptr, offset_ptr, count_ptr, active_ptr, num_experts,
                         BLOCK: tl.constexpr):
@@ -21,13 +30,13 @@ def group_shrink_kernel(counts_ptr, expert_ptr, offset_ptr, count_ptr, active_pt
     idx = tl.arange(0, BLOCK)
     counts = tl.load(counts_ptr + idx, mask=idx < num_experts, other=0)
     live = (counts > 0).to(tl.int32)
-    ends = tl.cumsum(counts, 0)
-    slot = tl.cumsum(live, 0) - live
+    ends = tl.associative_scan(counts, 0, _add)
+    slot = tl.associative_scan(live, 0, _add) - live
     keep = live > 0
     tl.store(expert_ptr + slot, idx, mask=keep)
     tl.store(offset_ptr + slot, ends - counts, mask=keep)
     tl.store(count_ptr + slot, counts, mask=keep)
-    tl.store(active_ptr, tl.sum(live, 0))
+    tl.store(active_ptr, tl.reduce(live, 0, _add))
 
 
 def launch_group_shrink(counts: torch.Tensor, expert: torch.Tensor, offset: torch.Tensor,

@@ -47,17 +47,17 @@ def gate_up_kernel(x_ptr, w13_ptr, h_ptr, expert_ptr, offset_ptr, count_ptr, act
                    inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT: tl.constexpr):
     """``h[rows, cols] = silu(x @ gate.T) * (x @ up.T)`` for each tile of each active group."""
-    col_tiles = tl.cdiv(inter, BLOCK_N)
+    col_tiles = (inter + BLOCK_N - 1) // BLOCK_N  # core builtins only: see group_shrink_kernel
     tile = tl.program_id(0)
     for g in range(active):
-        tiles = tl.cdiv(tl.load(count_ptr + g), BLOCK_M) * col_tiles
+        tiles = (tl.load(count_ptr + g) + BLOCK_M - 1) // BLOCK_M * col_tiles
         while tile < tiles:
             e, rows, row_ok, cols = _tile(expert_ptr, offset_ptr, count_ptr, g, tile, col_tiles,
                                           BLOCK_M, BLOCK_N)
             col_ok = cols < inter
             gate_ptr = w13_ptr + e * 2 * inter * hidden + cols[None, :] * hidden
-            acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for k0 in range(0, hidden, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = ks < hidden
@@ -68,7 +68,7 @@ def gate_up_kernel(x_ptr, w13_ptr, h_ptr, expert_ptr, offset_ptr, count_ptr, act
                             mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(gate.dtype)
                 acc_gate = _mm(acc_gate, a, gate, DOT)
                 acc_up = _mm(acc_up, a, up, DOT)
-            h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+            h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # SiLU(gate) * up
             tl.store(h_ptr + rows[:, None] * inter + cols[None, :], h,
                      mask=row_ok[:, None] & col_ok[None, :])
             tile += tl.num_programs(0)
@@ -80,16 +80,16 @@ def down_kernel(h_ptr, w2_ptr, out_ptr, expert_ptr, offset_ptr, count_ptr, activ
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 DOT: tl.constexpr):
     """``out[rows, cols] = h @ down.T`` for each tile of each active group."""
-    col_tiles = tl.cdiv(hidden, BLOCK_N)
+    col_tiles = (hidden + BLOCK_N - 1) // BLOCK_N
     tile = tl.program_id(0)
     for g in range(active):
-        tiles = tl.cdiv(tl.load(count_ptr + g), BLOCK_M) * col_tiles
+        tiles = (tl.load(count_ptr + g) + BLOCK_M - 1) // BLOCK_M * col_tiles
         while tile < tiles:
             e, rows, row_ok, cols = _tile(expert_ptr, offset_ptr, count_ptr, g, tile, col_tiles,
                                           BLOCK_M, BLOCK_N)
             col_ok = cols < hidden
             down_ptr = w2_ptr + e * hidden * inter + cols[None, :] * inter
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for k0 in range(0, inter, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_ok = ks < inter
