@@ -281,16 +281,18 @@ class ClientTier:
         back: register again unless the presence already did, join every live server afresh
         under the new incarnation, then swap the new connections in at once (a wait on an old
         slot stops, and its tokens go to the new connections). ``stale``: the closed
-        connections that called for it; None (nothing to do) if another recovery replaced
-        them meanwhile."""
+        connections that called for it. None (nothing to do) if another recovery replaced
+        them meanwhile, or if the loss it was called for is already handled."""
         with self._recovering:
             with self._lock:
                 if stale is not None and not any(self._conns.get(c.address) is c
                                                  for c in stale):
                     return None
             self.evicted = False
-            if not self.presence.incarnation or (
-                    self._registered_as() != self.presence.incarnation):
+            registered = self._registered_as()
+            if stale is None and registered == self.presence.incarnation == self._joined_as:
+                return None  # a late notice of a loss that a recovery already handled
+            if not self.presence.incarnation or registered != self.presence.incarnation:
                 self.presence.register_again()
             incarnation = self.presence.incarnation
             snapshot = self._checker().watch(-1, 0.0)
@@ -367,7 +369,9 @@ class ClientTier:
 
     def _follow(self, snapshot: Snapshot | None) -> None:
         if self._needs_recovery():
-            self.on_view(self.recover())  # the monitor lost this client: join afresh
+            view = self.recover()  # the monitor lost this client: join afresh
+            if view is not None:
+                self.on_view(view)
             return
         changed = snapshot is not None and snapshot.revision != self._revision
         if changed or (snapshot is not None and self._retry_due()):

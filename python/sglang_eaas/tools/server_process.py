@@ -20,6 +20,7 @@ import requests
 # What the CPU tests and the demo pass on top of the user's arguments. The CPU runtime supplies
 # torch_native attention and sleep-on-idle by itself; see docs/cpu-runtime.md.
 CPU_ARGS = ("--device", "cpu", "--max-total-tokens", "4096")
+PORT_ATTEMPTS = 3
 
 
 def free_port(avoid: frozenset[int] = frozenset()) -> int:
@@ -48,18 +49,35 @@ class SGLangServer:
         env: dict[str, str] | None = None,
         startup_timeout: float = 300.0,
     ):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.model_path, self.args = str(model_path), args
         self.log_path = Path(log_path)
-        self.command = [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
-            "--host", "127.0.0.1", "--port", str(self.port), *args,
-        ]
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
+        self._pick_port()
+
+    def _pick_port(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+            "--host", "127.0.0.1", "--port", str(self.port), *self.args,
+        ]
 
     def start(self) -> "SGLangServer":
+        """Start and wait until ``/health_generate`` answers. A port free when chosen may be
+        taken before SGLang binds it (minutes later, once the model is loaded: another process
+        starting at the same time may get it), and SGLang then hangs instead of exiting: the
+        start is retried on another port."""
+        for attempt in range(PORT_ATTEMPTS):
+            if attempt:
+                self._pick_port()
+            if self._start_once():
+                return self
+        raise ServerError(f"no free port after {PORT_ATTEMPTS} attempts\n{self.log_tail()}")
+
+    def _start_once(self) -> bool:
+        """True once ready; False if the port was taken meanwhile (the process is stopped)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
@@ -73,9 +91,12 @@ class SGLangServer:
                     f"server exited with code {self.process.returncode}\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.url}/health_generate", timeout=5).status_code == 200:
-                    return self
+                    return True
             except requests.RequestException:
                 pass
+            if f"{self.port}): address already in use" in self.log_tail():
+                self.stop()
+                return False
             time.sleep(1.0)
         self.stop()
         raise ServerError(f"server not ready after {self.startup_timeout:.0f}s\n{self.log_tail()}")
