@@ -20,18 +20,22 @@ capture, the paper's third switch, has no CPU counterpart: SGLang's CPU runtime 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import requests
 
 from sglang_eaas import cpu_runtime
-from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 from sglang_eaas.tools.server_process import CPU_ARGS, ServerError
 
-from bench_eaas import Result, Workload, bench_server
-from bench_lib.report import Report, default_out, say
+from bench_eaas import (
+    Result,
+    add_workload_args,
+    bench_server,
+    bench_workload,
+    check_workload_args,
+)
+from bench_lib.report import Report, default_out
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERLAP = ("--enable-two-batch-overlap",)
@@ -54,30 +58,14 @@ def parse_args() -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         epilog="The default run takes about 8 minutes on 2 CPU cores (five server starts). "
         "Run it on an otherwise idle machine: other load skews the ratios.")
-    parser.add_argument("--servers", type=int, default=2,
-                        help="expert servers of the eaas runs (local:N); default 2")
-    parser.add_argument("--batch-sizes", default="1,8,32",
-                        help="comma-separated numbers of concurrent requests; default 1,8,32")
-    parser.add_argument("--input-len", type=int, default=32,
-                        help="prompt length in tokens (random token ids); default 32")
-    parser.add_argument("--output-len", type=int, default=64,
-                        help="tokens generated per request (ignore_eos); default 64")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="measured rounds per batch size; the median is reported; default 3")
+    add_workload_args(parser, batch_sizes="1,8,32", rounds=3)
     parser.add_argument("--only", default="",
                         help="comma-separated configuration names to run (monolithic always "
                         "runs: it is the baseline); default all")
-    parser.add_argument("--log-dir", type=Path, default=ROOT / ".cache" / "logs",
-                        help="where the server logs go; default .cache/logs")
     parser.add_argument("--out", type=Path, default=default_out("ablation"),
                         help="markdown report (the chart goes next to it, same name .png); "
                         "default %(default)s")
-    args = parser.parse_args()
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if args.servers < 1 or min(args.batch_sizes) < 1 or args.rounds < 1:
-        parser.error("--servers, --batch-sizes and --rounds must be >= 1")
-    if args.input_len < 1 or args.output_len < 2:
-        parser.error("--input-len must be >= 1 and --output-len >= 2 (TPOT needs two tokens)")
+    args = check_workload_args(parser, parser.parse_args())
     known = configurations(args.servers)
     args.only = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in args.only if n not in known]
@@ -143,9 +131,7 @@ def chart(results: dict[str, dict[int, Result]], path: Path) -> None:
 def main() -> int:
     args = parse_args()
     report = Report(args.out)
-    model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
-    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
-    workload = Workload(args.input_len, args.output_len, vocab_size)
+    model, workload = bench_workload(args)
     base = CPU_ARGS if cpu_runtime.is_active() else ()
     chosen = {name: extra for name, extra in configurations(args.servers).items()
               if name == "monolithic" or not args.only or name in args.only}

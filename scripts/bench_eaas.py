@@ -66,29 +66,48 @@ def parse_args() -> argparse.Namespace:
         epilog="The default run takes 3-4.5 minutes on 2 CPU cores (two server starts "
         "included). Run it on an otherwise idle machine: other load skews the ratios.",
     )
+    add_workload_args(parser, batch_sizes="1,8", rounds=2)
+    parser.add_argument("--out", type=Path, default=default_out("eaas"),
+                        help="markdown file receiving the report (the header with command, "
+                        "commit, date and machine, then the table); default %(default)s")
+    return check_workload_args(parser, parser.parse_args())
+
+
+def add_workload_args(parser: argparse.ArgumentParser, batch_sizes: str, rounds: int) -> None:
+    """The options of a run of this workload (also scripts/bench_ablation.py's)."""
     parser.add_argument("--servers", type=int, default=2,
-                        help="expert servers for the eaas run (--eaas-expert-servers local:N); "
+                        help="expert servers of the eaas runs (--eaas-expert-servers local:N); "
                         "default 2")
-    parser.add_argument("--batch-sizes", default="1,8",
-                        help="comma-separated numbers of concurrent requests; default 1,8")
+    parser.add_argument("--batch-sizes", default=batch_sizes,
+                        help=f"comma-separated numbers of concurrent requests; default "
+                        f"{batch_sizes}")
     parser.add_argument("--input-len", type=int, default=32,
                         help="prompt length in tokens (random token ids); default 32")
     parser.add_argument("--output-len", type=int, default=64,
                         help="tokens generated per request (ignore_eos); default 64")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="measured rounds per batch size; the median is reported; default 2")
+    parser.add_argument("--rounds", type=int, default=rounds,
+                        help=f"measured rounds per batch size; the median is reported; default "
+                        f"{rounds}")
     parser.add_argument("--log-dir", type=Path, default=ROOT / ".cache" / "logs",
                         help="where the server logs go; default .cache/logs")
-    parser.add_argument("--out", type=Path, default=default_out("eaas"),
-                        help="markdown file receiving the report (the header with command, "
-                        "commit, date and machine, then the table); default %(default)s")
-    args = parser.parse_args()
+
+
+def check_workload_args(parser: argparse.ArgumentParser,
+                        args: argparse.Namespace) -> argparse.Namespace:
+    """``add_workload_args``'s options checked (``parser.error`` names the bad one)."""
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.servers < 1 or min(args.batch_sizes) < 1 or args.rounds < 1:
         parser.error("--servers, --batch-sizes and --rounds must be >= 1")
     if args.input_len < 1 or args.output_len < 2:
         parser.error("--input-len must be >= 1 and --output-len >= 2 (TPOT needs two tokens)")
     return args
+
+
+def bench_workload(args: argparse.Namespace) -> tuple[Path, Workload]:
+    """The bench checkpoint (generated once, cached) and the workload the options describe."""
+    model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    return model, Workload(args.input_len, args.output_len, vocab_size)
 
 
 def stream_generate(url: str, input_ids: list[int], max_new_tokens: int,
@@ -195,9 +214,7 @@ def table(mono: dict[int, Result], eaas: dict[int, Result]) -> str:
 def main() -> int:
     args = parse_args()
     report = Report(args.out)
-    model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
-    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
-    workload = Workload(args.input_len, args.output_len, vocab_size)
+    model, workload = bench_workload(args)
     base_args = CPU_ARGS if cpu_runtime.is_active() else ()
     eaas_args = (*base_args, "--eaas", "--eaas-expert-servers", f"local:{args.servers}")
     say(f"model {model.name}; batch sizes {args.batch_sizes}, {args.input_len} prompt tokens, "
