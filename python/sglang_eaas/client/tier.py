@@ -197,9 +197,9 @@ class ClientTier:
         self._known |= set(servers)  # followed through the monitor from now on
         why_gone = {d.id: d.why for d in snapshot.departures}
         listed = {(sid, m.incarnation) for sid, m in servers.items()}
-        with self._lock:  # retried only while the monitor lists that incarnation
-            self._failed_joins = {k: at for k, at in self._failed_joins.items() if k in listed}
         with self._lock:
+            # a failed join is retried only while the monitor lists that incarnation
+            self._failed_joins = {k: at for k, at in self._failed_joins.items() if k in listed}
             for sid, conn in list(self._conns.items()):
                 m = servers.get(sid)
                 if m is None and sid in self._static and not conn.incarnation:
@@ -289,13 +289,13 @@ class ClientTier:
                                                  for c in stale):
                     return None
             self.evicted = False
-            registered = self._registered_as()
+            snapshot = self._checker().watch(-1, 0.0)
+            registered = self._registered_as(snapshot)
             if stale is None and registered == self.presence.incarnation == self._joined_as:
                 return None  # a late notice of a loss that a recovery already handled
             if not self.presence.incarnation or registered != self.presence.incarnation:
                 self.presence.register_again()
             incarnation = self.presence.incarnation
-            snapshot = self._checker().watch(-1, 0.0)
             old = self.live_connections()
             targets = {m.id: m.incarnation for m in snapshot.servers(self.model.fingerprint)
                        if m.status == SERVING and (m.id, m.incarnation) not in self._dead}
@@ -330,9 +330,11 @@ class ClientTier:
             self._check_backend = connect(self.settings.monitor, self._token())
         return self._check_backend
 
-    def _registered_as(self) -> str:
-        """This client's incarnation as the monitor has it ("" if it has none)."""
-        snapshot = self._checker().watch(-1, 0.0)
+    def _registered_as(self, snapshot: Snapshot | None = None) -> str:
+        """This client's incarnation as the monitor has it (in ``snapshot``, else now; "" if
+        it has none)."""
+        if snapshot is None:
+            snapshot = self._checker().watch(-1, 0.0)
         return next((m.incarnation for m in snapshot.clients() if m.id == self.client_id), "")
 
     def _lost_by_monitor(self, closed: list[ServerConnection]) -> bool:
