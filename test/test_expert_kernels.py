@@ -8,6 +8,8 @@
 * A row's result is the same bits whatever its group's size and the thread count.
 * ``weighted_expert_sum``: fast (shrink on and off: identical) against reference (SGLang's op
   order) within tolerance, top-k 4 with entries held elsewhere (-1).
+* ``expert_sum`` (the fused C++ op the fast kernel is) gives the bits of the same steps done
+  with torch ops around ``grouped_expert``, and refuses expert rows it does not have.
 * An expert server started with ``--kernel fast --disable-shrink`` serves; the flags'
   refusals (expert server and SGLang side).
 * The build: two processes building at once share one build; no compiler is one sentence.
@@ -108,6 +110,7 @@ def _assert_close(got, want, tolerance=TOLERANCE):
     (64, 32, [17]),                  # E = 1, three row tiles (8 + 8 + 1)
     (130, 70, [0, 0, 2, 0, 1, 11]),  # empties first, blocks of 16/32 rows with remainders
     (8, 5, [1]),                     # one row, one 8-wide vector, I < a block
+    (200, 100, [13, 25, 3, 12, 0]),  # tiles of 12 rows at most on avx512bf16 (7+6, 9+8+8)
 ])
 def test_kernel_matches_pytorch(path, dtype, hidden, inter, counts):
     _skip_unless_supported(path)
@@ -219,6 +222,61 @@ def test_fast_sum_matches_reference(dtype, tokens, threads):
     nothing = torch.full_like(local, -1)
     assert torch.equal(weighted_expert_sum(layer, hidden, nothing, weights),
                        torch.zeros_like(hidden))
+
+
+def _torch_weighted_sum(hidden, w13, w2, flat_local, router_weights):
+    """What expert_sum fuses, in plain torch ops around grouped_expert (tested on its own above
+    against float64): entries sorted by expert, x's rows gathered, the rows scattered back to
+    their entries (zeros where not held), multiplied by the router weights and summed over k in
+    float32, then rounded to x's dtype."""
+    tokens, top_k = router_weights.shape
+    order = torch.argsort(flat_local, stable=True)
+    entries = order[int((flat_local < 0).sum()):]
+    counts = torch.bincount(flat_local[entries], minlength=w13.shape[0])
+    g = group_shrink(counts)
+    rows = cpu_ops.grouped_expert(hidden.index_select(0, entries // top_k), w13, w2, g.expert,
+                                  g.offset, g.count, g.active)
+    per_entry = rows.new_zeros(tokens * top_k, rows.shape[1]).index_copy_(0, entries, rows)
+    return (per_entry.view(tokens, top_k, -1).mul_(router_weights.unsqueeze(-1).float())
+            .sum(dim=1).type(hidden.dtype))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("experts, hidden, inter, tokens, top_k", [
+    (16, 72, 40, 5, 4), (6, 130, 70, 40, 2), (3, 37, 13, 9, 3), (4, 64, 32, 30, 1)])
+def test_expert_sum_is_the_torch_composition(threads, dtype, experts, hidden, inter, tokens,
+                                             top_k):
+    """expert_sum (sort, gather, kernel, weighted sum over k, one C++ call) gives the bits of
+    the same steps in torch ops: products rounded to float32, then added in k order."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(experts * tokens)
+    w13, w2 = _weights(experts, hidden, inter, dtype, seed=experts)
+    flat = torch.randint(-1, experts, (tokens * top_k,), generator=g)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weights = torch.rand(tokens, top_k, generator=g) * 2 - 0.5  # some negative
+    got = cpu_ops.expert_sum(x, w13, w2, flat, weights)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, _torch_weighted_sum(x, w13, w2, flat, weights))
+    assert torch.equal(cpu_ops.expert_sum(x, w13, w2, flat, weights, shrink=False), got)
+    # int32 ids, as the server's requests carry them; a token with no entry held here is zero.
+    flat[:top_k] = -1
+    got = cpu_ops.expert_sum(x, w13, w2, flat.int(), weights)
+    assert torch.equal(got, _torch_weighted_sum(x, w13, w2, flat, weights))
+    assert not got[0].any()
+
+
+def test_expert_sum_refuses_bad_entries():
+    w13, w2 = _weights(2, 16, 8, torch.float32)
+    x, weights = torch.randn(3, 16), torch.ones(3, 2)
+    with pytest.raises(RuntimeError, match=r"flat_local\[4\] = 2 is not -1 or one of the 2"):
+        cpu_ops.expert_sum(x, w13, w2, torch.tensor([0, 1, 1, 0, 2, -1]), weights)
+    with pytest.raises(RuntimeError, match=r"flat_local\[0\] = -2"):
+        cpu_ops.expert_sum(x, w13, w2, torch.tensor([-2, 1, 1, 0, 1, -1]), weights)
+    with pytest.raises(RuntimeError, match=r"flat_local must be \[T \* K\] = \[6\]"):
+        cpu_ops.expert_sum(x, w13, w2, torch.tensor([0, 1, 1, 0]), weights)
+    with pytest.raises(RuntimeError, match="hidden must be"):
+        cpu_ops.expert_sum(x, w13, w2, torch.tensor([0, 1, 1, 0, 1, 1]), torch.ones(2, 3))
 
 
 def test_unknown_kernel_is_refused():

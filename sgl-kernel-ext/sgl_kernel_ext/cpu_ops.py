@@ -1,4 +1,6 @@
-"""The CPU grouped expert kernel (``csrc/cpu/grouped_expert.cpp``), built on first use.
+"""The CPU grouped expert kernel (``csrc/cpu/grouped_expert.cpp``), built on first use:
+``grouped_expert`` (rows sorted by expert, in groups) and ``expert_sum`` (one MoE layer's
+weighted expert sum from the routing, what the expert server calls).
 
 Built with torch's extension tooling (``torch.utils.cpp_extension.load``: ninja and the C++
 compiler) into a folder named after a digest of the source, torch and Python versions and flags,
@@ -34,7 +36,9 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 SOURCES = (CSRC / "grouped_expert.cpp",)
 # -fopenmp: at::parallel_for is inline and runs serially in code compiled without it. The
 # library then needs libgomp.so.1, which is torch's own (loaded with torch, under that name).
-CFLAGS = ("-O3", "-std=c++17", "-fopenmp")
+# -ffp-contract=off: expert_sum's weighted sum multiplies, then adds (as torch's mul and sum
+# do), never a fused multiply-add the compiler would make of the two.
+CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
@@ -155,6 +159,20 @@ def grouped_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert:
     and the SiLU * up intermediate to bfloat16 (as SGLang's bfloat16 MoE does) and is what
     ``auto`` takes for bfloat16 weights and x. Threads: ``torch.get_num_threads()``."""
     return ops().grouped_expert(x, w13, w2, expert, offset, count, groups, isa)
+
+
+def expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               flat_local: torch.Tensor, router_weights: torch.Tensor, shrink: bool = True,
+               isa: str = "auto") -> torch.Tensor:
+    """``out [T, H]`` in ``hidden``'s dtype: ``out[t] = sum_k router_weights[t, k] *
+    expert_e(hidden[t])`` with ``e = flat_local[t * K + k]`` (a row of ``w13 [E, 2I, H]`` and
+    ``w2 [E, H, I]``; -1: skipped), the sum over k in k order in float32 (products rounded to
+    float32, then added), then rounded to ``hidden``'s dtype (float32, bfloat16 or float16).
+    One call does it all: the entries sorted by expert (stable), grouped (``shrink``: the active
+    experts only, as ``group_shrink`` packs them; otherwise every expert, empty ones included),
+    ``grouped_expert`` on the gathered rows, and the weighted sum. ``router_weights [T, K]``
+    are read as float32; ``isa`` as for ``grouped_expert``."""
+    return ops().expert_sum(hidden, w13, w2, flat_local, router_weights, shrink, isa)
 
 
 if __name__ == "__main__":  # python -m sgl_kernel_ext.cpu_ops: build now (scripts/setup.sh)

@@ -2,11 +2,11 @@
 
 Two kernels (``--kernel``):
 
-* ``fast`` (default): the entries sorted by local expert, the per-expert counts packed by
-  ``group_shrink`` into the active groups, and one call of the C++ grouped expert kernel
-  (``sgl_kernel_ext.cpu_ops``: every active expert's weights streamed once, float32 sums), then
-  the weighted sum over top-k in k order in float32. ``shrink=False`` (``--disable-shrink``)
-  hands the kernel all of the layer's experts, empty ones included, for the ablation.
+* ``fast`` (default): one call of the C++ kernel (``sgl_kernel_ext.cpu_ops.expert_sum``): the
+  entries sorted by local expert, the active experts packed into groups as ``group_shrink``
+  packs them, each active expert's weights streamed once with float32 sums, then the weighted
+  sum over top-k in k order in float32. ``shrink=False`` (``--disable-shrink``) hands the
+  kernel all of the layer's experts, empty ones included, for the ablation.
 * ``reference``: SGLang's ``moe_forward_native`` op for op (a Python loop over the experts
   calling ``F.linear``), bit for bit, for exact-equality tests against monolithic SGLang.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from sgl_kernel_ext import cpu_ops
-from sgl_kernel_ext.group_shrink import group_shrink
 from sglang_eaas.expert_server.experts import LayerExperts
 
 KERNELS = ("fast", "reference")
@@ -54,7 +53,7 @@ def weighted_expert_sum(layer: LayerExperts, hidden: torch.Tensor, flat_local: t
         servers add up to the monolithic result.
     """
     if kernel == "fast":
-        return _fast_sum(layer, hidden, flat_local, router_weights, shrink)
+        return cpu_ops.expert_sum(hidden, layer.w13, layer.w2, flat_local, router_weights, shrink)
     if kernel != "reference":
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     tokens, top_k = router_weights.shape
@@ -72,25 +71,3 @@ def weighted_expert_sum(layer: LayerExperts, hidden: torch.Tensor, flat_local: t
         .mul_(router_weights.unsqueeze(-1)).sum(dim=1).type(hidden.dtype)
     )
 
-
-def _fast_sum(layer: LayerExperts, hidden: torch.Tensor, flat_local: torch.Tensor,
-              router_weights: torch.Tensor, shrink: bool) -> torch.Tensor:
-    tokens, top_k = router_weights.shape
-    num_experts = layer.w13.shape[0]
-    order = torch.argsort(flat_local, stable=True)
-    entries = order[int((flat_local < 0).sum()):]  # held entries, by local expert
-    counts = torch.bincount(flat_local[entries], minlength=num_experts)
-    if shrink:
-        groups = group_shrink(counts)
-        expert, offset, count, active = groups.expert, groups.offset, groups.count, groups.active
-    else:  # every expert a group, empty ones too: the kernel walks them all
-        count = counts.to(torch.int32)
-        offset = torch.cumsum(count, 0, dtype=torch.int32) - count
-        expert, active = torch.arange(num_experts, dtype=torch.int32), num_experts
-    rows = cpu_ops.grouped_expert(hidden.index_select(0, entries // top_k), layer.w13, layer.w2,
-                                  expert, offset, count, active)
-    per_entry = rows.new_zeros(tokens * top_k, rows.shape[1]).index_copy_(0, entries, rows)
-    return (
-        per_entry.view(tokens, top_k, -1).mul_(router_weights.unsqueeze(-1).float())
-        .sum(dim=1).type(hidden.dtype)
-    )

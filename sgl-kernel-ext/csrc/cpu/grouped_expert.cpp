@@ -9,17 +9,26 @@
 // with w13 [E, 2I, H] and w2 [E, H, I] in float32, bfloat16 or float16, x converted to float32
 // and every product accumulated in float32. Rows outside every group are left undefined.
 //
+// expert_sum (what the expert server calls, once per layer) wraps it: the (token, k) entries
+// sorted by expert with a counting sort, the groups (the active experts, or every expert), x's
+// rows gathered, grouped_expert, then out[t] = sum over k in k order of w[t, k] * row(t, k) in
+// float32, in x's dtype.
+//
 // At decode batch sizes the cost is reading the weights, so every weight element is read from
 // memory once per group: the rows of a group are multiplied together (up to kTile of them per
-// pass over a block of weight rows, the block staying in cache for the next kTile rows), and
-// bfloat16/float16 weights are widened to float32 in registers (a bfloat16 is the top half of
-// a float32: zero-extend and shift left 16). The work is split over output columns (blocks of
-// weight rows of every group) with at::parallel_for, so torch.set_num_threads applies. The
-// AVX2+FMA path is chosen at run time (__builtin_cpu_supports); elsewhere a portable scalar
-// loop computes the same sums. Each output element's sum runs in the same order whatever the
-// batch, the group's size or the thread count, so a row's result never depends on its company.
+// pass over a block of weight rows, kTileBf16 on the avx512bf16 path; the block stays in cache
+// for the group's next tile, tiles as even as possible), and bfloat16/float16 weights are widened
+// to float32 in registers (a bfloat16 is the top half of a float32: zero-extend and shift left
+// 16), or multiplied as bfloat16 with vdpbf16ps. Each phase (gate/up, then down) splits every
+// group's weight rows evenly between the threads (at::parallel_for over the threads, so
+// torch.set_num_threads applies): each thread streams its share of each active expert, and the
+// split does not depend on the groups' sizes. The AVX2+FMA, AVX-512 and AVX512-BF16 paths are
+// chosen at run time (__builtin_cpu_supports); elsewhere a portable scalar loop computes the
+// same sums. Each output element's sum runs in the same order whatever the batch, the group's
+// size or the thread count, so a row's result never depends on its company.
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -31,6 +40,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -41,6 +51,12 @@
 namespace {
 
 constexpr int64_t kTile = 8;         // rows of a group multiplied per pass over a weight block
+constexpr int64_t kTileBf16 = 12;    // the same on the avx512bf16 path
+// avx512bf16 path: with kPrefetchRows x rows or more, the weights are prefetched kPrefetchBytes
+// ahead of use (the hardware prefetchers alone do not run far enough ahead of the dot products
+// there; with fewer rows, which are bound by memory bandwidth, they do better alone).
+constexpr int kPrefetchRows = 3;
+constexpr int64_t kPrefetchBytes = 8192;
 constexpr int64_t kGateUpBlock = 16; // gate rows (and as many up rows) per phase-1 work item
 constexpr int64_t kDownBlock = 32;   // w2 rows (output columns) per phase-2 work item
 constexpr int kLanes = 8;            // float32 lanes of one AVX2 register
@@ -75,7 +91,16 @@ void dots_scalar(const W* w, int64_t rows, int64_t k, const float* x, int64_t ld
   }
 }
 
+// h[j] = silu(gate[j]) * up[j] for j < n, stored in X (bfloat16: rounded to nearest even).
+template <typename X>
+void silu_mul_scalar(const float* gate, const float* up, X* h, int64_t n);
+
 struct ScalarOps {
+  static constexpr int64_t kRows = kTile;  // x rows per dots call, at most
+  template <typename X>
+  static void silu_mul(const float* gate, const float* up, X* h, int64_t n) {
+    silu_mul_scalar(gate, up, h, n);
+  }
   template <typename W>
   static void dots(const W* w, int64_t rows, int64_t k, const float* x, int64_t ldx, int64_t n,
                    float* y, int64_t ldy) {
@@ -191,7 +216,7 @@ EAAS_AVX2 void dots_avx2(const W* w, int64_t rows, int64_t k, const float* x, in
   }
 }
 
-struct Avx2Ops {
+struct Avx2Ops : ScalarOps {
   template <typename W>
   static void dots(const W* w, int64_t rows, int64_t k, const float* x, int64_t ldx, int64_t n,
                    float* y, int64_t ldy) {
@@ -309,7 +334,7 @@ EAAS_AVX512 void dots_avx512(const W* w, int64_t rows, int64_t k, const float* x
   }
 }
 
-struct Avx512Ops {
+struct Avx512Ops : ScalarOps {
   template <typename W>
   static void dots(const W* w, int64_t rows, int64_t k, const float* x, int64_t ldx, int64_t n,
                    float* y, int64_t ldy) {
@@ -321,63 +346,126 @@ EAAS_AVX512BF16 inline __mmask32 tail32(int64_t left) {
   return left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << left) - 1);
 }
 
-template <int R, int N>
-EAAS_AVX512BF16 inline void dots_bf16_rn(const c10::BFloat16* w, int64_t k,
-                                         const c10::BFloat16* x, int64_t ldx, float* y,
-                                         int64_t ldy) {
-  __m512 acc[R * N];  // acc[i * N + r]: weight row i against x row r
+// One weight row against N x rows: y[r * ldy] = w . x[r]. Two accumulators per x row, the
+// even and the odd 32-element chunks of k (vdpbf16ps: 32 products per instruction, summed in
+// pairs into 16 float32 lanes), added at the end, then their 16 lanes (reduce_all_512): 2N
+// independent chains, and the weights read as one sequential stream (several weight rows at
+// once read slower from memory here, as several streams). The same order whatever N.
+template <int N>
+EAAS_AVX512BF16 inline void dot_bf16_n(const c10::BFloat16* w, int64_t k,
+                                       const c10::BFloat16* x, int64_t ldx, float* y,
+                                       int64_t ldy) {
+  __m512 acc0[N], acc1[N];
 #pragma GCC unroll 16
-  for (int q = 0; q < R * N; ++q) acc[q] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < k; c += 32) {
-    const __mmask32 m = tail32(k - c);
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (R + i) * k + c), _MM_HINT_T0);
-    __m512bh wv[R];
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + i * k + c);
-#pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 64 <= k; c += 64) {
+    if (N >= kPrefetchRows) {
+      const char* ahead = reinterpret_cast<const char*>(w + c) + kPrefetchBytes;
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    }
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + c);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + c + 32);
+#pragma GCC unroll 16
     for (int r = 0; r < N; ++r) {
-      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * ldx + c);
-#pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) acc[i * N + r] = _mm512_dpbf16_ps(acc[i * N + r], wv[i], xv);
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], w0, (__m512bh)_mm512_loadu_si512(x + r * ldx + c));
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], w1,
+                                 (__m512bh)_mm512_loadu_si512(x + r * ldx + c + 32));
     }
   }
-  float sums[R * N];
-  reduce_all_512<R * N>(acc, sums);
-  for (int i = 0; i < R; ++i)
-    for (int r = 0; r < N; ++r) y[r * ldy + i] = sums[i * N + r];
+  if (c < k) {  // the tail: masked loads, zeros past the end
+    const __mmask32 m0 = tail32(k - c), m1 = tail32(k - c > 32 ? k - c - 32 : 0);
+    const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, w + c);
+    const __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, w + c + 32);
+#pragma GCC unroll 16
+    for (int r = 0; r < N; ++r) {
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], w0,
+                                 (__m512bh)_mm512_maskz_loadu_epi16(m0, x + r * ldx + c));
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], w1,
+                                 (__m512bh)_mm512_maskz_loadu_epi16(m1, x + r * ldx + c + 32));
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < N; ++r) acc0[r] = _mm512_add_ps(acc0[r], acc1[r]);
+  float sums[N];
+  reduce_all_512<N>(acc0, sums);
+  for (int r = 0; r < N; ++r) y[r * ldy] = sums[r];
 }
 
 template <int N>
 EAAS_AVX512BF16 void dots_bf16_n(const c10::BFloat16* w, int64_t rows, int64_t k,
                                  const c10::BFloat16* x, int64_t ldx, float* y, int64_t ldy) {
-  constexpr int R = N <= 4 ? 4 : 2;
-  int64_t j = 0;
-  for (; j + R <= rows; j += R) dots_bf16_rn<R, N>(w + j * k, k, x, ldx, y + j, ldy);
-  for (; j < rows; ++j) dots_bf16_rn<1, N>(w + j * k, k, x, ldx, y + j, ldy);
+  for (int64_t j = 0; j < rows; ++j) dot_bf16_n<N>(w + j * k, k, x, ldx, y + j, ldy);
 }
 
+// n <= kTileBf16 x rows.
 EAAS_AVX512BF16 void dots_bf16(const c10::BFloat16* w, int64_t rows, int64_t k,
                                const c10::BFloat16* x, int64_t ldx, int64_t n, float* y,
                                int64_t ldy) {
-  for (int64_t r0 = 0; r0 < n; r0 += kTile) {
-    const c10::BFloat16* xt = x + r0 * ldx;
-    float* yt = y + r0 * ldy;
-    switch (std::min<int64_t>(kTile, n - r0)) {
-      case 1: dots_bf16_n<1>(w, rows, k, xt, ldx, yt, ldy); break;
-      case 2: dots_bf16_n<2>(w, rows, k, xt, ldx, yt, ldy); break;
-      case 3: dots_bf16_n<3>(w, rows, k, xt, ldx, yt, ldy); break;
-      case 4: dots_bf16_n<4>(w, rows, k, xt, ldx, yt, ldy); break;
-      case 5: dots_bf16_n<5>(w, rows, k, xt, ldx, yt, ldy); break;
-      case 6: dots_bf16_n<6>(w, rows, k, xt, ldx, yt, ldy); break;
-      case 7: dots_bf16_n<7>(w, rows, k, xt, ldx, yt, ldy); break;
-      default: dots_bf16_n<8>(w, rows, k, xt, ldx, yt, ldy); break;
-    }
+  switch (n) {
+    case 1: return dots_bf16_n<1>(w, rows, k, x, ldx, y, ldy);
+    case 2: return dots_bf16_n<2>(w, rows, k, x, ldx, y, ldy);
+    case 3: return dots_bf16_n<3>(w, rows, k, x, ldx, y, ldy);
+    case 4: return dots_bf16_n<4>(w, rows, k, x, ldx, y, ldy);
+    case 5: return dots_bf16_n<5>(w, rows, k, x, ldx, y, ldy);
+    case 6: return dots_bf16_n<6>(w, rows, k, x, ldx, y, ldy);
+    case 7: return dots_bf16_n<7>(w, rows, k, x, ldx, y, ldy);
+    case 8: return dots_bf16_n<8>(w, rows, k, x, ldx, y, ldy);
+    case 9: return dots_bf16_n<9>(w, rows, k, x, ldx, y, ldy);
+    case 10: return dots_bf16_n<10>(w, rows, k, x, ldx, y, ldy);
+    case 11: return dots_bf16_n<11>(w, rows, k, x, ldx, y, ldy);
+    default: return dots_bf16_n<12>(w, rows, k, x, ldx, y, ldy);
   }
 }
 
+// exp(v) on 16 lanes: v = n ln2 + f (|f| <= ln2 / 2, ln2 in two parts), e^f by its Taylor
+// polynomial to f^7 (relative error below 2e-8), scaled by 2^n with vscalefps (which gives 0
+// and inf past float's range). NaN stays NaN.
+EAAS_AVX512 inline __m512 exp16(__m512 v) {
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-104.0f)),
+                                 _mm512_set1_ps(89.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), f);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512 e = _mm512_scalef_ps(p, n);
+  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
+}
+
+// 16 floats to bfloat16 as c10::BFloat16 rounds (to nearest even, subnormals kept, NaN quiet);
+// vcvtneps2bf16 would flush subnormals.
+EAAS_AVX512 inline __m256i round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                            _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
 struct Avx512Bf16Ops {
+  static constexpr int64_t kRows = kTileBf16;
+  // silu(g) * u = g / (1 + exp(-g)) * u, 16 lanes at a time, rounded to bfloat16.
+  EAAS_AVX512BF16 static void silu_mul(const float* gate, const float* up, c10::BFloat16* h,
+                                       int64_t n) {
+    for (int64_t j = 0; j < n; j += kLanes512) {
+      const __mmask16 m = tail16(n - j);
+      const __m512 g = _mm512_maskz_loadu_ps(m, gate + j);
+      const __m512 u = _mm512_maskz_loadu_ps(m, up + j);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+      _mm256_mask_storeu_epi16(h + j, m, round_bf16(_mm512_mul_ps(s, u)));
+    }
+  }
   static void dots(const c10::BFloat16* w, int64_t rows, int64_t k, const c10::BFloat16* x,
                    int64_t ldx, int64_t n, float* y, int64_t ldy) {
     dots_bf16(w, rows, k, x, ldx, n, y, ldy);
@@ -425,50 +513,88 @@ struct GroupList {
 inline void store(float* p, float v) { *p = v; }
 inline void store(c10::BFloat16* p, float v) { *p = c10::BFloat16(v); }  // round to nearest even
 
-// Phase 1 (work item = group g, block b of gate rows): h[row, j] = silu(gate_j . x) * (up_j .
-// x) for j in the block. Phase 2 (group g, block b of output columns): out[row, c] = w2_c . h.
-// The work items of every group listed are walked, empty ones included (they do nothing).
+template <typename X>
+void silu_mul_scalar(const float* gate, const float* up, X* h, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) store(h + j, silu(gate[j]) * up[j]);
+}
+
+// [begin, end) of `blocks` for thread `t` of `threads`: contiguous, sizes differing by <= 1.
+inline std::pair<int64_t, int64_t> share(int64_t blocks, int64_t t, int64_t threads) {
+  return {blocks * t / threads, blocks * (t + 1) / threads};
+}
+
+// Phase 1: h[row, j] = silu(gate_j . x[row]) * (up_j . x[row]); phase 2: out[row, c] = w2_c .
+// h[row], for the rows of every group. Each phase splits every group's weight rows (gate/up
+// rows j, then output columns c) evenly between the threads, in blocks: each thread streams its
+// share of each active expert's weights once, and the threads' work is the same whatever the
+// groups' sizes. A group's rows go through a block in tiles of at most kTile rows (a group of
+// 9..16 rows in two tiles of 4..8), the block staying in cache from one tile to the next. The
+// groups listed are walked, empty ones included (they do nothing).
 // X: the element type of x and h (float, or bfloat16 for Avx512Bf16Ops).
 template <typename Ops, typename W, typename X>
 void run_groups(const X* x, const W* w13, const W* w2, const GroupList& g, int64_t hidden,
                 int64_t inter, X* h, float* out) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  auto tiles = [](int64_t count, auto&& fn) {  // fn(r0, n): count rows in balanced tiles
+    const int64_t n_tiles = (count + Ops::kRows - 1) / Ops::kRows;
+    for (int64_t t = 0, r0 = 0; t < n_tiles; ++t) {
+      const int64_t n = count / n_tiles + (t < count % n_tiles ? 1 : 0);
+      fn(r0, n);
+      r0 += n;
+    }
+  };
   const int64_t up_blocks = (inter + kGateUpBlock - 1) / kGateUpBlock;
-  at::parallel_for(0, g.groups * up_blocks, 1, [&](int64_t begin, int64_t end) {
-    float gate[kTile * kGateUpBlock];
-    float up[kTile * kGateUpBlock];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t grp = item / up_blocks;
-      const int64_t count = g.count[grp];
-      if (count == 0) continue;
-      const int64_t j0 = (item % up_blocks) * kGateUpBlock;
-      const int64_t rows = std::min(kGateUpBlock, inter - j0);
-      const W* w = w13 + g.expert[grp] * 2 * inter * hidden;
-      for (int64_t r0 = 0; r0 < count; r0 += kTile) {
-        const int64_t n = std::min(kTile, count - r0);
-        const int64_t row = g.offset[grp] + r0;
-        Ops::dots(w + j0 * hidden, rows, hidden, x + row * hidden, hidden, n, gate,
-                  kGateUpBlock);
-        Ops::dots(w + (inter + j0) * hidden, rows, hidden, x + row * hidden, hidden, n, up,
-                  kGateUpBlock);
-        for (int64_t r = 0; r < n; ++r) {
-          X* hr = h + (row + r) * inter + j0;
-          for (int64_t j = 0; j < rows; ++j)
-            store(hr + j, silu(gate[r * kGateUpBlock + j]) * up[r * kGateUpBlock + j]);
+  at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
+    float gate[Ops::kRows * kGateUpBlock];
+    float up[Ops::kRows * kGateUpBlock];
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const auto [b_begin, b_end] = share(up_blocks, t, threads);
+      for (int64_t grp = 0; grp < g.groups; ++grp) {
+        const int64_t count = g.count[grp];
+        if (count == 0) continue;
+        const W* w = w13 + g.expert[grp] * 2 * inter * hidden;
+        for (int64_t b = b_begin; b < b_end; ++b) {
+          const int64_t j0 = b * kGateUpBlock;
+          const int64_t rows = std::min(kGateUpBlock, inter - j0);
+          tiles(count, [&](int64_t r0, int64_t n) {
+            const int64_t row = g.offset[grp] + r0;
+            Ops::dots(w + j0 * hidden, rows, hidden, x + row * hidden, hidden, n, gate,
+                      kGateUpBlock);
+            Ops::dots(w + (inter + j0) * hidden, rows, hidden, x + row * hidden, hidden, n, up,
+                      kGateUpBlock);
+            for (int64_t r = 0; r < n; ++r)
+              Ops::silu_mul(gate + r * kGateUpBlock, up + r * kGateUpBlock,
+                            h + (row + r) * inter + j0, rows);
+          });
         }
       }
     }
   });
   const int64_t down_blocks = (hidden + kDownBlock - 1) / kDownBlock;
-  at::parallel_for(0, g.groups * down_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t grp = item / down_blocks;
-      const int64_t count = g.count[grp];
-      if (count == 0) continue;
-      const int64_t c0 = (item % down_blocks) * kDownBlock;
-      const int64_t rows = std::min(kDownBlock, hidden - c0);
-      const W* w = w2 + g.expert[grp] * hidden * inter + c0 * inter;
-      const int64_t row = g.offset[grp];
-      Ops::dots(w, rows, inter, h + row * inter, inter, count, out + row * hidden + c0, hidden);
+  at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
+    // The sums land here first, then go to out in rows of kDownBlock: out's rows are `hidden`
+    // floats apart (a power of two, often), and a tile's scattered stores there would all
+    // fall in one set of the L1 cache.
+    float sums[Ops::kRows * kDownBlock];
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const auto [b_begin, b_end] = share(down_blocks, t, threads);
+      for (int64_t grp = 0; grp < g.groups; ++grp) {
+        const int64_t count = g.count[grp];
+        if (count == 0) continue;
+        const W* w = w2 + g.expert[grp] * hidden * inter;
+        for (int64_t b = b_begin; b < b_end; ++b) {
+          const int64_t c0 = b * kDownBlock;
+          const int64_t rows = std::min(kDownBlock, hidden - c0);
+          tiles(count, [&](int64_t r0, int64_t n) {
+            const int64_t row = g.offset[grp] + r0;
+            Ops::dots(w + c0 * inter, rows, inter, h + row * inter, inter, n, sums,
+                      kDownBlock);
+            for (int64_t r = 0; r < n; ++r)
+              std::memcpy(out + (row + r) * hidden + c0, sums + r * kDownBlock,
+                          rows * sizeof(float));
+          });
+        }
+      }
     }
   });
 }
@@ -561,13 +687,98 @@ at::Tensor grouped_expert(const at::Tensor& x_in, const at::Tensor& w13, const a
   return out;
 }
 
+// out[t] = sum over k < K, in k order, of router_weights[t, k] * expert_{l}(hidden[t]) with l =
+// flat_local[t * K + k] (-1: not held here, skipped), in float32, then in hidden's dtype: the
+// entries sorted by expert (stable: a counting sort), the groups (the active experts, or with
+// shrink off every expert, empty ones included), grouped_expert on the gathered rows, and the
+// weighted sum of each token's rows.
+at::Tensor expert_sum(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                      const at::Tensor& flat_local_in, const at::Tensor& router_weights_in,
+                      bool shrink, c10::string_view isa) {
+  TORCH_CHECK(hidden.dim() == 2 && router_weights_in.dim() == 2 &&
+                  router_weights_in.size(0) == hidden.size(0),
+              "hidden must be [T, H] and router_weights [T, K], got ", hidden.sizes(), " and ",
+              router_weights_in.sizes());
+  TORCH_CHECK(w13.dim() == 3, "w13 must be 3-d [E, 2I, H]");
+  const int64_t tokens = hidden.size(0), top_k = router_weights_in.size(1);
+  const int64_t width = hidden.size(1), num_experts = w13.size(0);
+  TORCH_CHECK(flat_local_in.dim() == 1 && flat_local_in.numel() == tokens * top_k,
+              "flat_local must be [T * K] = [", tokens * top_k, "], got ", flat_local_in.sizes());
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16 ||
+                  hidden.scalar_type() == at::kHalf,
+              "hidden must be float32, bfloat16 or float16, got ", hidden.scalar_type());
+  const at::Tensor flat_local = flat_local_in.to(at::kLong).contiguous();
+  const at::Tensor router_weights = router_weights_in.to(at::kFloat).contiguous();
+  const int64_t* local = flat_local.data_ptr<int64_t>();
+  std::vector<int64_t> starts(num_experts + 1, 0);
+  for (int64_t i = 0; i < tokens * top_k; ++i) {
+    TORCH_CHECK(local[i] >= -1 && local[i] < num_experts, "flat_local[", i, "] = ", local[i],
+                " is not -1 or one of the ", num_experts, " local experts");
+    if (local[i] >= 0) ++starts[local[i] + 1];
+  }
+  int64_t groups = 0;
+  at::Tensor expert = at::empty({num_experts}, flat_local.options());
+  at::Tensor offset = at::empty({num_experts}, flat_local.options());
+  at::Tensor count = at::empty({num_experts}, flat_local.options());
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t n = starts[e + 1];
+    starts[e + 1] = starts[e] + n;
+    if (n > 0 || !shrink) {
+      expert.data_ptr<int64_t>()[groups] = e;
+      offset.data_ptr<int64_t>()[groups] = starts[e];
+      count.data_ptr<int64_t>()[groups] = n;
+      ++groups;
+    }
+  }
+  const int64_t rows = starts[num_experts];
+  std::vector<int64_t> position(tokens * top_k, -1);  // entry -> its row in expert order
+  at::Tensor token = at::empty({rows}, flat_local.options());  // row -> its token
+  for (int64_t i = 0; i < tokens * top_k; ++i) {
+    if (local[i] < 0) continue;
+    const int64_t row = starts[local[i]]++;
+    position[i] = row;
+    token.data_ptr<int64_t>()[row] = i / top_k;
+  }
+  at::Tensor result = at::empty({tokens, width}, hidden.options());
+  if (rows == 0) return result.zero_();
+  const at::Tensor out_rows = grouped_expert(hidden.index_select(0, token), w13, w2, expert,
+                                             offset, count, groups, isa);
+  const float* rp = out_rows.data_ptr<float>();
+  const float* wp = router_weights.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "expert_sum",
+                                  [&] {
+    scalar_t* op = result.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(width);
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t k = 0; k < top_k; ++k) {
+          const int64_t row = position[t * top_k + k];
+          if (row < 0) continue;
+          const float w = wp[t * top_k + k];
+          const float* r = rp + row * width;
+          for (int64_t c = 0; c < width; ++c) acc[c] += w * r[c];  // no FMA: -ffp-contract=off
+        }
+        for (int64_t c = 0; c < width; ++c) op[t * width + c] = static_cast<scalar_t>(acc[c]);
+      }
+    });
+  });
+  return result;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sgl_kernel_ext_cpu, m) {
   m.def(
       "grouped_expert(Tensor x, Tensor w13, Tensor w2, Tensor expert, Tensor offset, "
       "Tensor count, int groups, str isa=\"auto\") -> Tensor");
+  m.def(
+      "expert_sum(Tensor hidden, Tensor w13, Tensor w2, Tensor flat_local, "
+      "Tensor router_weights, bool shrink=True, str isa=\"auto\") -> Tensor");
   m.def("cpu_isas() -> str[]", &cpu_isas);
 }
 
-TORCH_LIBRARY_IMPL(sgl_kernel_ext_cpu, CPU, m) { m.impl("grouped_expert", &grouped_expert); }
+TORCH_LIBRARY_IMPL(sgl_kernel_ext_cpu, CPU, m) {
+  m.impl("grouped_expert", &grouped_expert);
+  m.impl("expert_sum", &expert_sum);
+}
