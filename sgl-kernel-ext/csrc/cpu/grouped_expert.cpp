@@ -687,6 +687,53 @@ at::Tensor grouped_expert(const at::Tensor& x_in, const at::Tensor& w13, const a
   return out;
 }
 
+// acc[c] += w * r[c] for c < n: the product rounded to float32, then added (-ffp-contract=off
+// keeps the compiler from fusing the two, in either loop).
+inline void add_scaled_scalar(float* acc, float w, const float* r, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) acc[c] += w * r[c];
+}
+
+// out[c] = acc[c] in out's dtype (bfloat16, float16: rounded to nearest even).
+template <typename T>
+inline void store_row_scalar(T* out, const float* acc, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) out[c] = static_cast<T>(acc[c]);
+}
+
+#ifdef EAAS_X86
+EAAS_AVX512 void add_scaled_avx512(float* acc, float w, const float* r, int64_t n) {
+  const __m512 wv = _mm512_set1_ps(w);
+  for (int64_t c = 0; c < n; c += kLanes512) {
+    const __mmask16 m = tail16(n - c);
+    const __m512 product = _mm512_mul_ps(wv, _mm512_maskz_loadu_ps(m, r + c));
+    _mm512_mask_storeu_ps(acc + c, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc + c), product));
+  }
+}
+
+EAAS_AVX512 void store_row_avx512(c10::BFloat16* out, const float* acc, int64_t n) {
+  for (int64_t c = 0; c < n; c += kLanes512) {
+    const __mmask16 m = tail16(n - c);
+    _mm256_mask_storeu_epi16(out + c, m, round_bf16(_mm512_maskz_loadu_ps(m, acc + c)));
+  }
+}
+#endif
+
+inline void add_scaled(float* acc, float w, const float* r, int64_t n, bool avx512) {
+#ifdef EAAS_X86
+  if (avx512) return add_scaled_avx512(acc, w, r, n);
+#endif
+  add_scaled_scalar(acc, w, r, n);
+}
+
+template <typename T>
+inline void store_row(T* out, const float* acc, int64_t n, bool avx512) {
+#ifdef EAAS_X86
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (avx512) return store_row_avx512(out, acc, n);
+  }
+#endif
+  store_row_scalar(out, acc, n);
+}
+
 // out[t] = sum over k < K, in k order, of router_weights[t, k] * expert_{l}(hidden[t]) with l =
 // flat_local[t * K + k] (-1: not held here, skipped), in float32, then in hidden's dtype: the
 // entries sorted by expert (stable: a counting sort), the groups (the active experts, or with
@@ -745,6 +792,7 @@ at::Tensor expert_sum(const at::Tensor& hidden, const at::Tensor& w13, const at:
                                              offset, count, groups, isa);
   const float* rp = out_rows.data_ptr<float>();
   const float* wp = router_weights.data_ptr<float>();
+  const bool avx512 = supported("avx512");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "expert_sum",
                                   [&] {
     scalar_t* op = result.data_ptr<scalar_t>();
@@ -755,11 +803,9 @@ at::Tensor expert_sum(const at::Tensor& hidden, const at::Tensor& w13, const at:
         for (int64_t k = 0; k < top_k; ++k) {
           const int64_t row = position[t * top_k + k];
           if (row < 0) continue;
-          const float w = wp[t * top_k + k];
-          const float* r = rp + row * width;
-          for (int64_t c = 0; c < width; ++c) acc[c] += w * r[c];  // no FMA: -ffp-contract=off
+          add_scaled(acc.data(), wp[t * top_k + k], rp + row * width, width, avx512);
         }
-        for (int64_t c = 0; c < width; ++c) op[t * width + c] = static_cast<scalar_t>(acc[c]);
+        store_row(op + t * width, acc.data(), width, avx512);
       }
     });
   });
