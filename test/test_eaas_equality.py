@@ -7,7 +7,8 @@ a + b = b + a); with top-4 over 3 servers it adds in another order than SGLang d
 * float32: greedy outputs token-identical, on 10 prompts (some long) x 48 new tokens, batched,
   with every optimisation off (the expert servers' reference kernel: SGLang's op order bit for
   bit; no two-batch overlap) and with every one on (the fast C++ kernel with group shrink, and
-  SGLang's two-batch overlap). The fast kernel's float32 sums differ from SGLang's in the last
+  SGLang's two-batch overlap); the other combinations of the ablation switches on four of the
+  prompts. The fast kernel's float32 sums differ from SGLang's in the last
   bits, so with it the logprobs agree to ~1e-6, not exactly, and the tokens still do.
 * bfloat16: bit-identity is not expected, so the monolithic greedy output is fed back to both
   servers (teacher forcing) and, at each of its positions, the next-token logprobs are compared:
@@ -91,7 +92,8 @@ def prompt_ids(tiny_top4) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def float32_pair(tiny_top4):
     pair = _start_pair(lambda eaas: start_server(
-        tiny_top4, *((*EAAS, "--eaas-kernel", "reference") if eaas else ()),
+        tiny_top4, *((*EAAS, "--eaas-kernel", "reference", "--eaas-disable-overlap") if eaas
+                     else ()),
         name=f"equality-f32-{'eaas' if eaas else 'mono'}"))
     yield pair
     pair.monolithic.stop()
@@ -213,7 +215,8 @@ def test_bfloat16_within_tolerance(bfloat16_pair, prompt_ids, capsys):
 def float32_overlap(tiny_top4):
     """--eaas with everything on: the fast kernel with group shrink (the servers' default), and
     SGLang's two-batch overlap (two micro-batches interleaved, each with its own slot at every
-    expert server)."""
+    expert server), asked for since where local servers share the cores (a small test machine)
+    --eaas does not turn it on by itself."""
     server = start_server(tiny_top4, *EAAS, "--enable-two-batch-overlap", "--enable-metrics",
                           name="equality-f32-eaas-tbo")
     yield server
@@ -238,3 +241,32 @@ def test_every_optimisation_on_token_identical(float32_pair, float32_overlap, pr
     # Every decode step of the 10 requests splits in two micro-batches of 5: the second one
     # sends each of the 4 MoE layers on its own slot.
     assert _second_micro_batch_layers(float32_overlap) - before >= (NEW_TOKENS - 1) * 4
+
+
+# The other combinations of the ablation switches (every one off and every one on are above).
+OVERLAP = "--enable-two-batch-overlap"
+ABLATIONS = {
+    "no-overlap": ("--eaas-disable-overlap",),
+    "no-shrink": ("--eaas-disable-shrink", OVERLAP),
+    "no-shrink-no-overlap": ("--eaas-disable-shrink", "--eaas-disable-overlap"),
+    "reference-kernel-overlap": ("--eaas-kernel", "reference", OVERLAP),
+}
+ABLATION_PROMPTS = (0, 2, 4, 5)  # two short prompts and the two long ones
+
+
+@pytest.mark.parametrize("name", list(ABLATIONS))
+def test_every_ablation_switch_combination_token_identical(float32_pair, tiny_top4, prompt_ids,
+                                                           name):
+    """Each combination of --eaas-disable-overlap, --eaas-disable-shrink and --eaas-kernel
+    reference gives monolithic SGLang's tokens (the graph-capture switch, SGLang's
+    --disable-cuda-graph, has nothing to switch on a CPU)."""
+    prompts = [prompt_ids[i] for i in ABLATION_PROMPTS]
+    monolithic = _greedy(float32_pair.monolithic, prompts)
+    server = start_server(tiny_top4, *EAAS, *ABLATIONS[name], name=f"equality-f32-{name}")
+    try:
+        ablated = _greedy(server, prompts)
+    finally:
+        server.stop()
+    assert [r["output_ids"] for r in ablated] == [r["output_ids"] for r in monolithic], (
+        _first_divergence(monolithic, ablated))
+    assert all(len(r["output_ids"]) == NEW_TOKENS for r in ablated)

@@ -51,6 +51,8 @@ def test_help_lists_every_flag():
 def test_flags_parse(sglang_with_plugins, tiny_qwen3):
     assert not hasattr(_parse(tiny_qwen3), "_eaas")
     assert _parse(tiny_qwen3, "--eaas")._eaas == EaasConfig()
+    assert _parse(tiny_qwen3, "--eaas", "--eaas-disable-overlap")._eaas == EaasConfig(
+        overlap=False)
     args = _parse(tiny_qwen3, "--eaas", "--eaas-expert-servers", "10.0.0.1:7000, node-b:7001",
                   "--eaas-placement", str(tiny_qwen3 / "config.json"), "--eaas-poll-spin-us", "0")
     assert args._eaas == EaasConfig(RemoteServers(("10.0.0.1:7000", "node-b:7001")),
@@ -85,6 +87,10 @@ def test_flags_parse(sglang_with_plugins, tiny_qwen3):
         (["--eaas", "--eaas-wait-for-servers", "5"],
          "--eaas-wait-for-servers applies to a shared monitor"),
         (["--eaas-monitor", "h:1"], "--eaas-monitor only apply with --eaas"),
+        (["--eaas-disable-overlap"], "--eaas-disable-overlap only apply with --eaas"),
+        (["--eaas", "--eaas-disable-overlap", "--enable-two-batch-overlap"],
+         "--eaas-disable-overlap turns off the two-batch overlap --enable-two-batch-overlap "
+         "asks for: drop one of them"),
     ],
 )
 def test_bad_values_are_refused(sglang_with_plugins, tiny_qwen3, capsys, args, message):
@@ -92,6 +98,62 @@ def test_bad_values_are_refused(sglang_with_plugins, tiny_qwen3, capsys, args, m
         _parse(tiny_qwen3, *args)
     assert exc.value.code not in (0, None)
     assert message in capsys.readouterr().err + str(exc.value.code)
+
+
+def test_eaas_turns_two_batch_overlap_on_where_it_runs(sglang_with_plugins, tiny_qwen3,
+                                                      tiny_mixtral, monkeypatch):
+    """--eaas turns SGLang's two-batch overlap on for Qwen3-MoE at --tp 1 (all-to-all backend
+    'customized': the expert servers), unless local expert servers share the ranks' cores;
+    --eaas-disable-overlap, other models and --tp > 1 serve without it, saying why (a warning
+    when --enable-two-batch-overlap asked for it)."""
+    from sglang_eaas import cores
+    from sglang_eaas.client import overlap as eaas_overlap
+
+    said = []
+    for level in ("info", "warning"):
+        monkeypatch.setattr(eaas_overlap.logger, level,
+                            lambda msg, *a, level=level: said.append((level, msg % a)))
+
+    def overlap(model, *args):
+        parsed = _parse(model, *args)
+        return parsed.enable_two_batch_overlap, parsed.moe_a2a_backend
+
+    monkeypatch.setattr(cores, "usable_cores", lambda: 64)
+    assert overlap(tiny_qwen3) == (False, "none")
+    assert overlap(tiny_qwen3, "--eaas") == (True, "customized")
+    assert overlap(tiny_qwen3, "--eaas", "--enable-two-batch-overlap") == (True, "customized")
+    assert overlap(tiny_qwen3, "--eaas", "--eaas-disable-overlap") == (False, "none")
+    assert said == []
+    assert overlap(tiny_mixtral, "--eaas") == (False, "none")
+    assert overlap(tiny_qwen3, "--eaas", "--tp", "2", "--enable-two-batch-overlap") == (
+        False, "none")
+    (mixtral, tp2) = said
+    assert mixtral[0] == "info" and "not for model type mixtral" in mixtral[1]
+    assert tp2[0] == "warning" and "with --tp > 1" in tp2[1]
+
+    said.clear()
+    monkeypatch.setattr(cores, "usable_cores", lambda: 2)  # 2 local servers + 1 rank
+    assert overlap(tiny_qwen3, "--eaas") == (False, "none")
+    assert said == [("info", "sglang-eaas: serving without two-batch overlap: the 2 local "
+                     "expert servers and 1 rank(s) share 2 cores, where overlap would make the "
+                     "servers read every active expert's weights once per micro-batch with no "
+                     "idle core to hide it in (--enable-two-batch-overlap turns it on)")]
+    assert overlap(tiny_qwen3, "--eaas", "--eaas-expert-servers", "local:1") == (
+        True, "customized")
+    assert overlap(tiny_qwen3, "--eaas", "--eaas-expert-servers", "h:1") == (True, "customized")
+    assert overlap(tiny_qwen3, "--eaas", "--enable-two-batch-overlap") == (True, "customized")
+
+
+def test_local_ranks_do_not_spin_where_servers_share_the_cores(monkeypatch):
+    from sglang_eaas import cores
+    from sglang_eaas.launcher import prepare
+    from sglang_eaas.protocol.slot import POLL_SPIN_US
+
+    monkeypatch.setattr(cores, "usable_cores", lambda: 2)
+    assert prepare.client_poll_spin_us(None, servers=2, ranks=1) == 0
+    assert prepare.client_poll_spin_us(None, servers=1, ranks=1) == POLL_SPIN_US
+    assert prepare.client_poll_spin_us(300, servers=2, ranks=1) == 300
+    assert prepare.client_poll_spin_us(0, servers=1, ranks=1) == 0
 
 
 def test_eaas_refused_when_a_hook_did_not_apply(sglang_with_plugins, tiny_qwen3, capsys,
@@ -148,3 +210,21 @@ def test_launcher_without_the_plugin_refuses_eaas(tiny_qwen3):
     assert result.returncode != 0
     assert "unrecognized arguments: --eaas" in result.stderr
 
+
+
+def test_planned_local_servers(tmp_path):
+    """How many expert servers the launcher will start, as the overlap and spin defaults need
+    it before the launch: local:N, the default 2, a placement's local entries, or none."""
+    from sglang_eaas.cores import planned_local_servers
+    from sglang_eaas.monitor import parse_monitor
+
+    local = tmp_path / "local.json"
+    local.write_text('{"servers": {"local:0": [0, 1], "local:1": [2, 3], "local:2": [0]}}')
+    remote = tmp_path / "remote.json"
+    remote.write_text('{"servers": {"a:1": [0, 1], "b:1": [2, 3]}}')
+    assert planned_local_servers(EaasConfig()) == 2
+    assert planned_local_servers(EaasConfig(LocalServers(3))) == 3
+    assert planned_local_servers(EaasConfig(RemoteServers(("a:1",)))) == 0
+    assert planned_local_servers(EaasConfig(monitor=parse_monitor("h:2379"))) == 0
+    assert planned_local_servers(EaasConfig(placement=local)) == 3
+    assert planned_local_servers(EaasConfig(placement=remote)) == 0

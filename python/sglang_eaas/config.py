@@ -90,6 +90,9 @@ def existing_file(path: str) -> Path:
     return p
 
 
+DEFAULT_LOCAL_SERVERS = 2  # --eaas without --eaas-expert-servers, placement or shared monitor
+
+
 @dataclass(frozen=True)
 class EaasConfig:
     """What the attention client needs to know about its expert servers."""
@@ -98,7 +101,9 @@ class EaasConfig:
     placement: Path | None = None
     token: str | None = field(default=None, repr=False)  # else SGLANG_EAAS_TOKEN
     transport: str = transports.AUTO
-    poll_spin_us: int = POLL_SPIN_US  # busy-poll for a result this long, then sleep
+    # Busy-poll for a result this long, then sleep; None: automatic (the launcher's
+    # client_poll_spin_us: 0 when local expert servers share the cores, else POLL_SPIN_US).
+    poll_spin_us: int | None = None
     # The monitor: as given (embedded by default); the launcher replaces an embedded one by
     # the address it listens on, so workers get a HOST:PORT or etcd:// URL.
     monitor: MonitorSpec | str = field(default_factory=lambda: parse_monitor("embedded"))
@@ -108,6 +113,7 @@ class EaasConfig:
     wait_for_servers: float = WAIT_FOR_SERVERS
     kernel: str | None = None  # local expert servers' --kernel; None: theirs (fast)
     shrink: bool = True  # False: local expert servers get --disable-shrink
+    overlap: bool = True  # False (--eaas-disable-overlap): no two-batch overlap
 
     def __reduce__(self):
         return (_restore_in_worker, tuple(getattr(self, f.name) for f in fields(self)))
@@ -186,7 +192,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         metavar="US",
         help="After sending a layer's requests, busy-poll for the results this long (yielding "
         "the core to other runnable processes between polls) before sleeping on the result "
-        f"doorbell; 0 sleeps at once (default: {POLL_SPIN_US}).",
+        "doorbell; 0 sleeps at once. Local expert servers get the same value for their wait "
+        f"between requests. Default: {POLL_SPIN_US} (servers: theirs), but 0 for SGLang's "
+        "ranks when local expert servers and the ranks together outnumber the cores (a "
+        "spinning rank would take a core from the servers it waits for).",
     )
     group.add_argument(
         "--eaas-monitor",
@@ -252,6 +261,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "empty ones included, instead of only the active ones (their --disable-shrink); the "
         "outputs are the same.",
     )
+    group.add_argument(
+        "--eaas-disable-overlap",
+        action="store_true",
+        default=None,
+        help="Ablation: serve without two-batch overlap. By default --eaas turns on SGLang's "
+        "--enable-two-batch-overlap where it runs with the expert servers (Qwen3-MoE at --tp 1, "
+        "without LoRA, speculative decoding, --pp or attention DP): while one micro-batch's "
+        "tokens are at the servers, the other's attention runs. Not by default when local "
+        "expert servers and SGLang's ranks outnumber the cores: there is no idle core to hide "
+        "the second pass over the experts' weights in (--enable-two-batch-overlap still turns "
+        "it on). The outputs are the same.",
+    )
 
 
 LOCAL_ONLY = ("--eaas-kernel and --eaas-disable-shrink apply to the local expert servers this "
@@ -271,7 +292,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
             for name in ("eaas_expert_servers", "eaas_placement", "eaas_token", "eaas_transport",
                          "eaas_poll_spin_us", "eaas_monitor", "eaas_heartbeat",
                          "eaas_loss_timeout", "eaas_result_timeout", "eaas_wait_for_servers",
-                         "eaas_kernel", "eaas_disable_shrink")
+                         "eaas_kernel", "eaas_disable_shrink", "eaas_disable_overlap")
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -295,6 +316,9 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
         raise ValueError("--eaas-wait-for-servers applies to a shared monitor "
                          "(--eaas-monitor HOST:PORT or etcd://) without --eaas-expert-servers")
     kernel, shrink = args.eaas_kernel, not args.eaas_disable_shrink
+    if args.eaas_disable_overlap and getattr(args, "enable_two_batch_overlap", False):
+        raise ValueError("--eaas-disable-overlap turns off the two-batch overlap "
+                         "--enable-two-batch-overlap asks for: drop one of them")
     if not shrink and kernel == "reference":
         raise ValueError("--eaas-disable-shrink applies to --eaas-kernel fast only")
     if (kernel is not None or not shrink) and (
@@ -304,9 +328,10 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
         raise ValueError(LOCAL_ONLY)
     return EaasConfig(args.eaas_expert_servers, args.eaas_placement, args.eaas_token,
                       args.eaas_transport or transports.AUTO,
-                      POLL_SPIN_US if spin is None else spin, monitor, heartbeat, loss,
+                      spin, monitor, heartbeat, loss,
                       args.eaas_result_timeout or RESULT_TIMEOUT,
-                      args.eaas_wait_for_servers or WAIT_FOR_SERVERS, kernel, shrink)
+                      args.eaas_wait_for_servers or WAIT_FOR_SERVERS, kernel, shrink,
+                      not args.eaas_disable_overlap)
 
 
 def current() -> EaasConfig | None:

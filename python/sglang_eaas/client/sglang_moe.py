@@ -22,6 +22,7 @@ from sglang_eaas.client.client import EaasClient
 from sglang_eaas.client.metrics import PrometheusTierMetrics, TierMetrics
 from sglang_eaas.model_info import MoeModelInfo, is_routed_expert_tensor
 from sglang_eaas.placement import load_placement_file
+from sglang_eaas.protocol.slot import POLL_SPIN_US
 
 logger = logging.getLogger(__name__)
 _client: EaasClient | None = None
@@ -41,7 +42,8 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
         _client = EaasClient(list(cfg.expert_servers.addresses), info,
                              ModelIdentity.of(server_args.model_path, info), dtype, name,
                              expected_experts=expected, transport=cfg.transport,
-                             poll_spin=cfg.poll_spin_us * 1e-6, monitor=cfg.monitor,
+                             poll_spin=(POLL_SPIN_US if cfg.poll_spin_us is None
+                                        else cfg.poll_spin_us) * 1e-6, monitor=cfg.monitor,
                              heartbeat=cfg.heartbeat, result_timeout=cfg.result_timeout,
                              metrics=_metrics(server_args),
                              micro_batches=2 if overlapped(server_args) else 1)

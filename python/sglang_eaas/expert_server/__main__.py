@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None):
                    "SGLang's name): " + transports.HELP + "'shm' when --listen is a loopback "
                    "address, else 'mooncake'; default %(default)s")
     p.add_argument("--max-clients", type=int, default=8,
-                   help="client slots (one per attention rank); default %(default)s")
+                   help="client slots (one per attention rank, two per rank with two-batch "
+                   "overlap); default %(default)s")
     p.add_argument("--max-tokens", type=int, default=2048,
                    help="tokens per request a slot holds; clients split larger batches; "
                    "default %(default)s")

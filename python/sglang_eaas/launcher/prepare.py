@@ -21,13 +21,20 @@ from typing import Any, Callable
 from ibgda import TransportError
 from sglang_eaas import envs, transports
 from sglang_eaas.checkpoint import expert_digests
-from sglang_eaas.config import LOCAL_ONLY, EaasConfig, LocalServers, RemoteServers
+from sglang_eaas.config import (
+    DEFAULT_LOCAL_SERVERS,
+    LOCAL_ONLY,
+    EaasConfig,
+    LocalServers,
+    RemoteServers,
+)
+from sglang_eaas.cores import shares_cores
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor import EMBEDDED, connect
 from sglang_eaas.protocol.monitor import SERVING
 from sglang_eaas.protocol import control
-from sglang_eaas.protocol.slot import DTYPE_NAMES
+from sglang_eaas.protocol.slot import DTYPE_NAMES, POLL_SPIN_US
 from sglang_eaas.placement import (
     PlacementError,
     even_placement,
@@ -38,7 +45,6 @@ from sglang_eaas.routing_table import RoutingTable
 from sglang_eaas.tools.server_process import free_port
 
 logger = logging.getLogger(__name__)
-DEFAULT_LOCAL = LocalServers(2)
 
 
 def probe(address: str, timeout: float = 10.0) -> dict[str, Any]:
@@ -54,6 +60,17 @@ def sglang_dtype(model_path: str, dtype: str) -> str:
 
     config = json.loads((Path(model_path) / "config.json").read_text())
     return DTYPE_NAMES[_get_and_verify_dtype(config, dtype)]
+
+
+def client_poll_spin_us(given: int | None, servers: int, ranks: int) -> int:
+    """How long SGLang's ranks busy-poll for the local expert servers' results before sleeping:
+    ``given`` (--eaas-poll-spin-us) if set; else not at all when the servers' and ranks'
+    processes outnumber this process's cores (the rank's polls would take a core from the
+    servers it waits for), else ``POLL_SPIN_US``. The servers keep their own default: a server
+    that sleeps at once after a request would wake up late for the next layer's."""
+    if given is not None:
+        return given
+    return 0 if shares_cores(servers, ranks) else POLL_SPIN_US
 
 
 def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
@@ -80,7 +97,8 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
                                  f"--eaas-expert-servers names {sorted(servers.addresses)}")
         servers, placements = RemoteServers(tuple(planned)), None
     elif servers is None or isinstance(servers, LocalServers):
-        placements = even_placement(info.num_experts, (servers or DEFAULT_LOCAL).count)
+        placements = even_placement(info.num_experts,
+                                    servers.count if servers else DEFAULT_LOCAL_SERVERS)
     else:
         placements = None
     if placements is not None:
@@ -99,13 +117,16 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
                                     avoid_ports=sglang_ports,
                                     extra_args=("--transport", backend, "--monitor", cfg.monitor,
                                                 "--heartbeat", str(cfg.heartbeat),
+                                                *(("--poll-spin-us", str(cfg.poll_spin_us))
+                                                  if cfg.poll_spin_us is not None else ()),
                                                 *(("--kernel", cfg.kernel) if cfg.kernel
                                                   else ()),
                                                 *(() if cfg.shrink else ("--disable-shrink",))))
         atexit.register(lambda: [s.stop() for s in local])
         wait_registered(cfg.monitor, [s.address for s in local])
         return dataclasses.replace(cfg, expert_servers=RemoteServers(
-            tuple(s.address for s in local)), placement=None, transport=backend)
+            tuple(s.address for s in local)), placement=None, transport=backend,
+            poll_spin_us=client_poll_spin_us(cfg.poll_spin_us, len(placements), num_ranks))
     if not envs.TOKEN.get():
         raise TransportError(f"expert servers started separately need their shared token: set "
                              f"{envs.TOKEN.name} or pass --eaas-token")
@@ -217,9 +238,6 @@ def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **
     if cfg is not None:
         if cfg.token:
             os.environ[envs.TOKEN.name] = cfg.token
-        # Thread budget: SGLang's workers wait for expert servers often; OpenMP threads that
-        # spin after each parallel region would take the cores those servers compute on.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         ranks = server_args.tp_size * server_args.pp_size * max(server_args.dp_size, 1)
         server_args._eaas = prepare_expert_servers(cfg, server_args.model_path,
                                                    server_args.dtype, ranks,

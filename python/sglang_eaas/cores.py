@@ -1,0 +1,43 @@
+"""Whether the launcher's local expert servers share the cores of SGLang's ranks.
+
+There, every core a waiting rank spins on and every extra pass over the experts' weights is
+taken from the processes it waits for. Two defaults follow from it: the ranks do not busy-poll
+for results (``launcher.prepare.client_poll_spin_us``) and ``--eaas`` does not turn on
+two-batch overlap, which makes the servers read each active expert's weights once per
+micro-batch (``client.overlap.resolve``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from sglang_eaas.config import DEFAULT_LOCAL_SERVERS, EaasConfig, LocalServers, RemoteServers
+from sglang_eaas.monitor import EMBEDDED
+from sglang_eaas.placement import PlacementError, load_placement_file
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which SGLang's ranks inherit)."""
+    return len(os.sched_getaffinity(0))
+
+
+def shares_cores(local_servers: int, ranks: int) -> bool:
+    """True when ``local_servers`` expert server processes and ``ranks`` SGLang ranks, one
+    busy process each while a layer is computed, outnumber the usable cores."""
+    return local_servers > 0 and local_servers + ranks > usable_cores()
+
+
+def planned_local_servers(cfg: EaasConfig) -> int:
+    """How many expert servers the launcher will start for ``cfg`` (0: all started
+    separately), as ``launcher.prepare.prepare_expert_servers`` decides it."""
+    if isinstance(cfg.expert_servers, RemoteServers):
+        return 0
+    if cfg.placement is not None:
+        try:
+            planned = load_placement_file(cfg.placement)
+        except PlacementError:
+            return 0  # the launch reports it
+        return sum(name.startswith("local:") for name in planned)
+    if isinstance(cfg.expert_servers, LocalServers):
+        return cfg.expert_servers.count
+    return DEFAULT_LOCAL_SERVERS if cfg.monitor.kind == EMBEDDED else 0
