@@ -22,6 +22,13 @@ MIN_VOCAB = 256 + len(SPECIALS)
 
 def build_tokenizer(vocab_size: int):
     """Train a deterministic byte-level BPE of ``vocab_size`` entries (at most) and wrap it."""
+    return train_byte_level_bpe(list(_CORPUS) * 50, vocab_size)
+
+
+def train_byte_level_bpe(texts: list[str], vocab_size: int, bos_token: str | None = None):
+    """A byte-level BPE of ``vocab_size`` entries (at most) trained on ``texts``, as a
+    transformers tokenizer: EOS = pad = ``<|endoftext|>``, ``bos_token`` (none by default),
+    the ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -35,10 +42,10 @@ def build_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(list(_CORPUS) * 50, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=None,
+        bos_token=bos_token,
         eos_token=EOS,
         pad_token=EOS,
         unk_token=None,

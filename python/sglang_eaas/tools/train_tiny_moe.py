@@ -30,7 +30,7 @@ import zlib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from sglang_eaas.tools.tiny_tokenizer import CHAT_TEMPLATE, EOS, SPECIALS
+from sglang_eaas.tools.tiny_tokenizer import EOS, MIN_VOCAB, train_byte_level_bpe
 
 # Skipped anywhere in a relative path: tests, third-party packages, caches, binary-ish tables.
 SKIP_DIRS = frozenset({
@@ -75,8 +75,8 @@ class TrainSpec:
             raise ValueError(f"--kv-heads ({self.kv_heads}) must divide --heads ({self.heads})")
         if self.head_dim % 2:
             raise ValueError("--head-dim must be even for rotary embeddings")
-        if self.vocab_size < 256 + len(SPECIALS):
-            raise ValueError(f"--vocab-size must be >= {256 + len(SPECIALS)} "
+        if self.vocab_size < MIN_VOCAB:
+            raise ValueError(f"--vocab-size must be >= {MIN_VOCAB} "
                              "(256 bytes + special tokens)")
         if not self.lr > 0:
             raise ValueError("--lr must be > 0")
@@ -154,30 +154,7 @@ def read_text(root: Path, rel: str) -> str:
 def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE of ``vocab_size`` entries trained on ``texts``, as a transformers tokenizer
     (EOS = BOS = pad = ``<|endoftext|>``, ChatML template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIALS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=EOS,
-        eos_token=EOS,
-        pad_token=EOS,
-        unk_token=None,
-        additional_special_tokens=list(SPECIALS[1:]),
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return train_byte_level_bpe(texts, vocab_size, bos_token=EOS)
 
 
 def token_stream(tokenizer, texts: list[str]):
