@@ -8,6 +8,7 @@ comes back sooner cannot have waited for the timeout."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -177,6 +178,35 @@ def test_two_micro_batches_in_flight(start, client_of, info, hf_experts):
         assert_matches_hf(out_b, hf_experts, layer, *b)
     assert servers[1].address not in client.table.servers
     assert client.dispatched == [2, 2]
+
+
+def test_a_server_joined_before_it_registered_is_kept(start, client_of, info, hf_experts):
+    """A server given at launch can answer a join before its registration with the monitor
+    returned (the client knows no incarnation for it yet). When the monitor then lists it, the
+    client asks that same connection for the server's incarnation: the one listed keeps the
+    connection (no drop, no failover); another one means a new process, which is dropped."""
+    servers = start(REPLICATED)
+    client = client_of(servers, "joined-early")
+    tier, victim = client.tier, servers[2]
+    _until(lambda: victim.address in {m.id for m in tier.backend.watch(-1, 0.0).servers()}, 10,
+           "the server registered")
+    conn = tier.live_connections()[victim.address]
+    listed, drops = conn.incarnation, tier.stats["drops"]
+    assert listed
+    conn.incarnation = ""  # as if it had joined before the monitor listed it
+    snapshot = tier.backend.watch(-1, 0.0)
+    tier._apply(snapshot)
+    assert tier.live_connections()[victim.address] is conn and conn.incarnation == listed
+    assert tier.stats["drops"] == drops
+    x, ids, w = _batch(info, 24, seed=3)
+    assert_matches_hf(_step(client, 0, x, ids, w)[0], hf_experts, 0, x, ids, w)
+
+    conn.incarnation = ""  # and the monitor lists another incarnation at that address
+    other = [dataclasses.replace(m, incarnation="0" * 16) if m.id == victim.address else m
+             for m in snapshot.members]
+    tier._apply(dataclasses.replace(snapshot, members=tuple(other)))
+    assert tier.live_connections().get(victim.address) is not conn
+    assert tier.stats["drops"] == drops + 1
 
 
 def test_a_slow_server_costs_time_only(start, client_of, monitor, info, hf_experts):

@@ -42,6 +42,7 @@ from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor import HEARTBEAT, connect
 from sglang_eaas.monitor.presence import Presence
 from sglang_eaas.placement import PlacedExperts, PlacementError, layer_holdings
+from sglang_eaas.protocol.lines import ControlError
 from sglang_eaas.protocol.monitor import CLIENT, SERVING, Member, Snapshot
 from sglang_eaas.protocol.slot import DTYPE_NAMES
 from sglang_eaas.routing_table import RoutingTable
@@ -52,6 +53,7 @@ WATCH = 5.0  # seconds one monitor watch call waits for a change
 CLOSES_POLL = 0.1  # seconds between looks at which control connections a server closed
 START_TIMEOUT = 30.0  # seconds a server given at launch may take to answer a join
 JOIN_TIMEOUT = 5.0  # at runtime (a hung server must not hold the tier thread for long)
+CONFIRM_TRIES, CONFIRM_WAIT = 5, 0.05  # asking a server still registering for its incarnation
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,7 @@ class ClientTier:
         self._known |= set(servers)  # followed through the monitor from now on
         why_gone = {d.id: d.why for d in snapshot.departures}
         listed = {(sid, m.incarnation) for sid, m in servers.items()}
+        confirmed = self._confirm_incarnations(servers)
         with self._lock:
             # a failed join is retried only while the monitor lists that incarnation
             self._failed_joins = {k: at for k, at in self._failed_joins.items() if k in listed}
@@ -204,6 +207,9 @@ class ClientTier:
                 m = servers.get(sid)
                 if m is None and sid in self._static and not conn.incarnation:
                     continue  # a server given at launch that the monitor does not know
+                if confirmed.get(sid) is conn and not conn.incarnation:
+                    conn.incarnation = m.incarnation  # joined before it had registered
+                    continue
                 if m is not None and m.incarnation == conn.incarnation and m.status == SERVING:
                     continue
                 why = ("draining" if m is not None and m.status != SERVING else
@@ -229,6 +235,28 @@ class ClientTier:
             logger.info("sglang-eaas: expert server %s joined the table (experts per MoE layer "
                         "%s)", sid, conn.layer_experts)
         return self._build()
+
+    def _confirm_incarnations(self, servers: Mapping[str, Member]) -> dict[str, ServerConnection]:
+        """The connections joined before their server had registered (a server given at launch
+        that was still registering with the monitor) whose server reports, over that same
+        connection, the incarnation the monitor now lists: they are kept, not dropped as a
+        new incarnation. Asked outside the lock (a hung server must not stall the data path)."""
+        unknown = [(conn, servers[sid]) for sid, conn in self.live_connections().items()
+                   if not conn.incarnation and sid in servers
+                   and servers[sid].status == SERVING]
+        confirmed = {}
+        for conn, member in unknown:
+            for attempt in range(CONFIRM_TRIES):  # it answers once its registration returned
+                try:
+                    reported = conn.stats().get("incarnation")
+                except (TransportError, ControlError, OSError):
+                    break
+                if reported is not None:
+                    if reported == member.incarnation:
+                        confirmed[member.id] = conn
+                    break
+                time.sleep(CONFIRM_WAIT)
+        return confirmed
 
     def _drop(self, conn: ServerConnection, why: str, lost: bool) -> None:
         """Under the lock: take ``conn`` out of the live set; it is closed once adopted past."""
