@@ -73,7 +73,8 @@ def shown(value: Any) -> str:
 # -- typed fields ---------------------------------------------------------------------------
 _KINDS = {"str": (str, "a string"), "int": (int, "an integer"), "bool": (bool, "true or false"),
           "float": ((int, float), "a number"), "list[str]": (list, "a list of strings"),
-          "list[int]": (list, "a list of integers"), "dict": (dict, "an object")}
+          "list[int]": (list, "a list of integers"), "dict": (dict, "an object"),
+          "list[list[int]]": (list, "a list of lists of integers")}
 _ITEMS = {"list[str]": str, "list[int]": int}
 
 
@@ -83,6 +84,8 @@ def _is(value: Any, annotation: str) -> bool:
         return False  # JSON true is not the integer 1
     if not isinstance(value, kind):
         return False
+    if annotation == "list[list[int]]":
+        return all(_is(row, "list[int]") for row in value)
     item = _ITEMS.get(annotation)
     return item is None or all(isinstance(v, item) and not isinstance(v, bool) for v in value)
 
