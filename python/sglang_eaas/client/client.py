@@ -33,10 +33,12 @@ from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor import HEARTBEAT
 from sglang_eaas.placement import NO_HOLDER, PlacedExperts, PlacementError
 from sglang_eaas.protocol import ProtocolError
-from sglang_eaas.protocol.slot import POLL_SPIN_US, ClientSlot
+from sglang_eaas.protocol.header import RejectReason
+from sglang_eaas.protocol.slot import POLL_SPIN_US, ClientSlot, Rejected
 from sglang_eaas.routing_table import RoutingTable
 
 WAIT_SLICE = 0.05  # seconds between checks, while waiting, of what the monitor said
+NOT_HELD = (RejectReason.FOREIGN_EXPERT, RejectReason.UNKNOWN_LAYER)  # holdings changed
 
 
 class EaasClient:
@@ -270,6 +272,14 @@ class EaasClient:
                     continue
                 try:
                     result = slot.result()
+                except Rejected as exc:
+                    if exc.reason not in NOT_HELD or conn in handle.refused:
+                        raise TransportError(f"expert server {conn.address}: {exc}") from None
+                    handle.refused.add(conn)  # its holdings changed: the entries go again
+                    if not self._adopt_newer(handle.layer_id):
+                        self._lose(conn, f"refused MoE layer {handle.layer_id}'s experts "
+                                   f"({exc.reason.name}) and no newer table came", report=False)
+                    continue
                 except ProtocolError as exc:  # answered, wrongly: a bug to see, not to hide
                     raise TransportError(f"expert server {conn.address}: {exc}") from None
                 handle.out.index_add_(0, rows, result.to(handle.out.device))
@@ -291,6 +301,21 @@ class EaasClient:
             if remaining <= 0:
                 self.metrics.timeout(conn.address)
                 return f"did not answer MoE layer {layer_id} within {self.result_timeout:g}s"
+
+    def _adopt_newer(self, layer_id: int) -> bool:
+        """A server refused experts this client's table says it holds: it stopped holding
+        them (it says so before it frees them, and frees them only once no request came for a
+        while, so this is a client that lagged). Wait for the view that says so (the tier
+        thread brings it) and use it now; False if none came within the result timeout."""
+        deadline = time.monotonic() + self.result_timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                staged, self._staged = self._staged, None
+                if staged is not None and staged.epoch > self.view.epoch:
+                    self._install(staged)
+                    return True
+            time.sleep(WAIT_SLICE / 10)
+        return False
 
     def _lose(self, conn: ServerConnection, why: str, report: bool) -> None:
         """Drop ``conn`` now: the rest of this step uses a table without it."""

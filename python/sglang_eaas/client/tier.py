@@ -211,6 +211,12 @@ class ClientTier:
                     conn.incarnation = m.incarnation  # joined before it had registered
                     continue
                 if m is not None and m.incarnation == conn.incarnation and m.status == SERVING:
+                    holdings = m.holdings()
+                    if holdings != conn.layer_experts:  # a replica added or dropped
+                        logger.info("sglang-eaas: expert server %s now holds experts per MoE "
+                                    "layer %s", sid, holdings)
+                        conn.layer_experts = holdings
+                        self.stats["holdings_changes"] += 1
                     continue
                 why = ("draining" if m is not None and m.status != SERVING else
                        "registered again as a new incarnation" if m is not None else

@@ -14,7 +14,10 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from sglang_eaas.endpoint import LineEndpoint
-from sglang_eaas.protocol.control import OPS, SLOTS_PER_CONNECTION, Drain, JoinRequest
+from sglang_eaas.expert_server.replicas import weights_chunk
+from sglang_eaas.protocol.control import (
+    OPS, SLOTS_PER_CONNECTION, AddExperts, Drain, DropExperts, ExpertWeights, JoinRequest,
+)
 from sglang_eaas.protocol.lines import ControlError
 
 if TYPE_CHECKING:
@@ -58,6 +61,12 @@ class ControlSession:
             return {"stats": self.server.stats_message()}
         if op == "drain":
             return {"clients": self.server.drain(Drain.from_message(message))}
+        if op == "add_experts":
+            return self.server.replicas.add(AddExperts.from_message(message)).to_message()
+        if op == "drop_experts":
+            return self.server.replicas.drop(DropExperts.from_message(message)).to_message()
+        if op == "expert_weights":
+            return weights_chunk(self.server, ExpertWeights.from_message(message)).to_message()
         self.closing = True  # leave
         self.close()
         return {}

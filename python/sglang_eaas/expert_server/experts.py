@@ -84,3 +84,35 @@ def load_experts(model_path: str | Path, info: MoeModelInfo,
 
 def weight_bytes(layers: dict[int, LayerExperts]) -> int:
     return sum(le.w13.nbytes + le.w2.nbytes for le in layers.values())
+
+
+def held(layer: LayerExperts) -> list[int]:
+    """The global expert ids of ``layer``'s rows, in row order."""
+    rows = torch.nonzero(layer.local_index >= 0).flatten()
+    return [int(e) for e in rows[torch.argsort(layer.local_index[rows])]]
+
+
+def with_experts(layer: LayerExperts | None, experts: list[int], w13: torch.Tensor,
+                 w2: torch.Tensor, num_experts: int) -> LayerExperts:
+    """A new ``LayerExperts``: ``layer``'s rows (same local rows), then ``experts`` (rows of
+    ``w13``/``w2``). ``layer`` None: a layer this server did not hold."""
+    if layer is None:
+        index = torch.full((num_experts,), -1, dtype=torch.long)
+        index[torch.tensor(experts, dtype=torch.long)] = torch.arange(len(experts))
+        return LayerExperts(w13.contiguous(), w2.contiguous(), index)
+    index = layer.local_index.clone()
+    index[torch.tensor(experts, dtype=torch.long)] = torch.arange(
+        layer.w13.shape[0], layer.w13.shape[0] + len(experts))
+    return LayerExperts(torch.cat([layer.w13, w13.to(layer.w13.dtype)]),
+                        torch.cat([layer.w2, w2.to(layer.w2.dtype)]), index)
+
+
+def without_experts(layer: LayerExperts, experts: list[int]) -> LayerExperts | None:
+    """A new ``LayerExperts`` without ``experts``' rows (None: nothing left)."""
+    keep = [e for e in held(layer) if e not in set(experts)]
+    if not keep:
+        return None
+    rows = layer.local_index[torch.tensor(keep, dtype=torch.long)]
+    index = torch.full_like(layer.local_index, -1)
+    index[torch.tensor(keep, dtype=torch.long)] = torch.arange(len(keep))
+    return LayerExperts(layer.w13[rows].contiguous(), layer.w2[rows].contiguous(), index)

@@ -18,6 +18,7 @@ from sgl_kernel_ext import cpu_ops
 from sglang_eaas import transports
 from sglang_eaas.expert_server.compute import local_experts, weighted_expert_sum
 from sglang_eaas.expert_server.control import control_endpoint
+from sglang_eaas.expert_server.replicas import Replicas
 from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
 from sglang_eaas.model_info import MoeModelInfo
@@ -107,6 +108,10 @@ class ExpertServer:
         self._stop = threading.Event()
         self.tick = time.monotonic()  # the serving loop's last pass (``healthy``)
         self.tier = None  # expert_server.tier.ServerTier once registered with a monitor
+        self.replicas = Replicas(self)  # holdings changed while serving
+        self._swaps: dict[int, LayerExperts | None] = {}  # applied by the loop between batches
+        self._swapped = threading.Condition()
+        self._looping = False  # serve_forever runs (else a swap applies at once)
 
     @property
     def address(self) -> str:
@@ -171,6 +176,43 @@ class ExpertServer:
 
     def layer_experts_message(self) -> dict[str, list[int]]:
         return {str(layer): ids for layer, ids in self.holdings.items()}
+
+    # -- holdings changed while serving (expert_server/replicas.py) -------------------------
+    def swap_layer(self, layer: int, experts: LayerExperts | None) -> None:
+        """Serve ``layer`` with ``experts`` (None: no rows left) from the serving loop's next
+        pass on, between two batches: a request is computed with the rows it was checked
+        against. Returns once swapped."""
+        with self._swapped:
+            self._swaps[layer] = experts
+            if not self._looping:
+                self._apply_swaps()
+            elif not self._swapped.wait_for(lambda: layer not in self._swaps, timeout=30.0):
+                raise ControlError("busy", f"the serving loop did not take MoE layer {layer}'s "
+                                   "new experts within 30s")
+
+    def _apply_swaps(self) -> None:
+        """Under ``_swapped``: the staged layers replace the served ones (a new dict)."""
+        layers = dict(self.layers)
+        for layer, experts in self._swaps.items():
+            if experts is None:
+                layers.pop(layer, None)
+            else:
+                layers[layer] = experts
+        self.layers, self._swaps = layers, {}
+        self._swapped.notify_all()
+
+    def set_holdings(self, layer: int, experts: list[int]) -> None:
+        """Say that this server holds ``experts`` in ``layer``: to joining clients, in
+        ``stats``, and to the monitor (whose clients then change their tables)."""
+        self.holdings = {**self.holdings, layer: sorted(experts)}
+        self.experts = sorted({e for ids in self.holdings.values() for e in ids})
+        if self.tier is not None:
+            self.tier.presence.set_holdings(self.layer_experts_message())
+
+    def digests_of(self, experts: list[int]) -> dict[int, str]:
+        missing = [e for e in experts if e not in self.digests]
+        return {**self.digests, **(expert_digests(self.config.model_path, self.info, missing)
+                                   if missing else {})}
 
     def stats_message(self) -> dict[str, Any]:
         return {**self.stats, "weight_bytes": self.weight_bytes(),
@@ -245,6 +287,8 @@ class ExpertServer:
                         local = local_experts(layer, ids)
                     except ValueError as exc:
                         raise HeaderError(RejectReason.FOREIGN_EXPERT, str(exc)) from None
+                    if self.replicas.retiring:
+                        self.replicas.used(header.layer_id, ids)
                     ready.append(_Ready(index, slot, header, hidden, local, weights))
                 except HeaderError as exc:
                     self.stats[f"rejected_{exc.reason.name.lower()}"] += 1
@@ -303,6 +347,9 @@ class ExpertServer:
 
     def poll_once(self) -> int:
         """Serve what is ready now (waiting up to ``max_wait_us`` for a minimum batch)."""
+        if self._swaps:
+            with self._swapped:
+                self._apply_swaps()
         batch = self._collect()
         if not batch:
             return 0
@@ -329,6 +376,7 @@ class ExpertServer:
             self.start()
         bell, spin = self.region_layout.bell, self.config.poll_spin_us * 1e-6
         busy_until = 0.0
+        self._looping = True
         while not self._stop.is_set():
             self.tick = time.monotonic()
             seen = self.region.load_word(bell)
@@ -337,6 +385,9 @@ class ExpertServer:
             else:
                 # Sleeps bounded, so that stop() and clients that cannot ring are noticed.
                 self.region.idle(bell, seen, busy_until, 0.01)
+        with self._swapped:
+            self._looping = False
+            self._apply_swaps()
 
     def stop(self) -> None:
         self._stop.set()

@@ -82,14 +82,16 @@ class ServerTier:
         if self.draining:
             return
         if not force:
-            self._check_covered()
+            self.check_covered(self.server.holdings, "drain_uncovered", "drain with force")
         self.draining = True
         self.presence.set_status(DRAINING)
         logger.info("draining: clients stop sending here at their next step")
         threading.Thread(target=self._finish_drain, args=(timeout,), name="eaas-drain",
                          daemon=True).start()
 
-    def _check_covered(self) -> None:
+    def check_covered(self, leaving: dict[int, list[int]], reason: str, forced: str) -> None:
+        """``ControlError(reason)`` unless another live server holds each of ``leaving``'s
+        experts (per MoE layer); ``forced`` names the way to do it anyway."""
         probe = connect(self.url, self.token)
         try:
             snapshot = probe.watch(-1, 0.0)
@@ -98,14 +100,14 @@ class ServerTier:
         me = self.server
         others = [m for m in snapshot.servers(me.info.fingerprint())
                   if m.id != me.address and m.status == SERVING]
-        for layer, experts in me.holdings.items():
+        for layer, experts in leaving.items():
             alone = [e for e in experts
                      if not any(e in m.holdings().get(layer, ()) for m in others)]
             if alone:
-                raise ControlError("drain_uncovered", (
+                raise ControlError(reason, (
                     f"expert server {me.address} is the last live holder of experts {alone} in "
-                    f"MoE layer {layer}; start a server that holds them first, or drain with "
-                    "force (requests that need them would fail)"))
+                    f"MoE layer {layer}; start a server that holds them first, or {forced} "
+                    "(requests that need them would fail)"))
 
     def _finish_drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -1,6 +1,7 @@
 """What every monitor backend offers its members and watchers (``tcp.py``, ``etcd.py``).
 
-A *session* keeps one member registered (register, heartbeat, set_status, leave); ``watch``
+A *session* keeps one member registered (register, heartbeat, set_status,
+set_holdings, leave); ``watch``
 long-polls the tier's membership; ``report`` tells the monitor a server timed out, which evicts
 it (it must register again to be used again).
 """
@@ -28,6 +29,10 @@ class MemberSession(ABC):
 
     @abstractmethod
     def set_status(self, status: str) -> None: ...
+
+    @abstractmethod
+    def set_holdings(self, layer_experts: dict) -> None:
+        """A server now holds ``layer_experts`` (``Member.layer_experts``'s form)."""
 
     @abstractmethod
     def leave(self) -> None: ...

@@ -189,6 +189,10 @@ class EtcdSession(MemberSession):
         self._member = self._member.with_status(status)
         self._put(self._member)
 
+    def set_holdings(self, layer_experts: dict) -> None:
+        self._member = self._member.with_holdings(layer_experts)
+        self._put(self._member)
+
     def leave(self) -> None:
         if self._lease is not None:
             self.monitor._call(self._lease.revoke)

@@ -113,6 +113,14 @@ class Presence:
             if self._session is not None and self.member is not None:
                 self._session.set_status(status)
 
+    def set_holdings(self, layer_experts: dict) -> None:
+        """A server's experts per MoE layer, now and in every later registration."""
+        self._template = self._template.with_holdings(layer_experts)
+        with self._lock:
+            if self._session is not None and self.member is not None:
+                self._session.set_holdings(layer_experts)
+                self.member = self.member.with_holdings(layer_experts)
+
     def close(self) -> None:
         """Leave in order (the monitor tells the others at once) and stop heartbeating."""
         self._stop.set()

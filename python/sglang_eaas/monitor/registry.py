@@ -71,6 +71,10 @@ class Registry:
                                "that registered it")
         return entry
 
+    def member_of(self, incarnation: str, session: object) -> Member:
+        with self._cond:
+            return self._entry(incarnation, session).member
+
     def heartbeat(self, incarnation: str, load: dict, session: object) -> int:
         with self._cond:
             entry = self._entry(incarnation, session)
@@ -85,6 +89,16 @@ class Registry:
                 entry.member = entry.member.with_status(status)
                 self._bump()
                 logger.info("%s %s is %s", entry.member.kind, entry.member.id, status)
+            return self.revision
+
+    def set_holdings(self, incarnation: str, layer_experts: dict, session: object) -> int:
+        with self._cond:
+            entry = self._entry(incarnation, session)
+            if entry.member.layer_experts != layer_experts:
+                entry.member = entry.member.with_holdings(layer_experts)
+                self._bump()
+                logger.info("%s %s now holds experts per MoE layer %s", entry.member.kind,
+                            entry.member.id, layer_experts)
             return self.revision
 
     def leave(self, incarnation: str, session: object) -> None:

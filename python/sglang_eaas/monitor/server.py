@@ -22,7 +22,7 @@ from sglang_eaas.monitor.registry import Registry
 from sglang_eaas.protocol import control
 from sglang_eaas.protocol.lines import ControlError
 from sglang_eaas.protocol.monitor import (
-    OPS, SERVER, Heartbeat, Leave, Member, Register, Report, SetStatus, Watch,
+    OPS, SERVER, Heartbeat, Leave, Member, Register, Report, SetHoldings, SetStatus, Watch,
 )
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,13 @@ class _Session:
         if op == "set_status":
             change = SetStatus.from_message(message)
             return {"revision": registry.set_status(change.incarnation, change.status, self)}
+        if op == "set_holdings":
+            change = SetHoldings.from_message(message)
+            member = registry.member_of(change.incarnation, self)
+            if member.kind == SERVER and self.monitor.config.verify_servers:
+                self.monitor.verify(member.with_holdings(change.layer_experts))
+            return {"revision": registry.set_holdings(change.incarnation, change.layer_experts,
+                                                      self)}
         if op == "leave":
             registry.leave(Leave.from_message(message).incarnation, self)
             return {}

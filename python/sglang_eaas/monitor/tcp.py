@@ -85,6 +85,9 @@ class TcpSession(MemberSession):
     def set_status(self, status: str) -> None:
         self._call("set_status", incarnation=self._incarnation, status=status)
 
+    def set_holdings(self, layer_experts: dict) -> None:
+        self._call("set_holdings", incarnation=self._incarnation, layer_experts=layer_experts)
+
     def leave(self) -> None:
         self._call("leave", incarnation=self._incarnation)
 

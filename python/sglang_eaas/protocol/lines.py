@@ -143,7 +143,8 @@ def parse_line(line: bytes, ops: typing.Collection[str]) -> tuple[str, dict[str,
 # -- the calling end ------------------------------------------------------------------------
 _WHAT = {"join": "to join", "ready": "the slot confirmation", "stats": "a stats request",
          "leave": "the leave", "drain": "to drain", "register": "the registration",
-         "heartbeat": "a heartbeat", "set_status": "a status change", "watch": "a watch",
+         "heartbeat": "a heartbeat", "set_status": "a status change",
+         "set_holdings": "a holdings change", "watch": "a watch",
          "report": "a report"}
 
 

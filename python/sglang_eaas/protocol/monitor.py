@@ -8,6 +8,8 @@ Over the authenticated JSON-line channel (``protocol/lines.py``), on one connect
     -> {"op": "heartbeat", ...Heartbeat}   <- {"ok": true, "revision": R}; refused
                                               ("unknown_incarnation") once lost: register again
     -> {"op": "set_status", ...SetStatus}  <- {"ok": true, "revision": R}
+    -> {"op": "set_holdings", ...SetHoldings} <- {"ok": true, "revision": R}: a server now
+                                              holds other experts (a replica added or dropped)
     -> {"op": "leave", ...Leave}           <- {"ok": true}: the member leaves, in order
 and on any connection:
     -> {"op": "watch", ...Watch}           <- {"ok": true, "snapshot": Snapshot}: as soon as the
@@ -32,7 +34,8 @@ from typing import Any
 
 from sglang_eaas.protocol.lines import ControlError, Message, shown
 
-OPS = ("register", "heartbeat", "set_status", "leave", "watch", "report", "stats")
+OPS = ("register", "heartbeat", "set_status", "set_holdings", "leave", "watch", "report",
+       "stats")
 SERVER, CLIENT = "server", "client"
 SERVING, DRAINING = "serving", "draining"
 
@@ -41,6 +44,14 @@ def _check_status(status: str) -> None:
     if status not in (SERVING, DRAINING):
         raise ControlError("bad_field", f"status {shown(status)} is neither {SERVING!r} nor "
                            f"{DRAINING!r}")
+
+
+def _check_layer_experts(layer_experts: dict) -> None:
+    for layer, ids in layer_experts.items():
+        if not (layer.isdigit() and isinstance(ids, list)
+                and all(type(e) is int and e >= 0 for e in ids)):
+            raise ControlError("bad_field", f"layer_experts maps MoE layer numbers to lists of "
+                               f"expert ids, got {shown(layer)}: {shown(ids)}")
 
 
 @dataclass(frozen=True)
@@ -72,11 +83,7 @@ class Member(Message):
         _check_status(self.status)
         if not self.id or len(self.id) > 256:
             raise ControlError("bad_field", "a member id is 1 to 256 characters")
-        for layer, ids in self.layer_experts.items():
-            if not (layer.isdigit() and isinstance(ids, list)
-                    and all(type(e) is int and e >= 0 for e in ids)):
-                raise ControlError("bad_field", f"layer_experts maps MoE layer numbers to lists "
-                                   f"of expert ids, got {shown(layer)}: {shown(ids)}")
+        _check_layer_experts(self.layer_experts)
 
     def holdings(self) -> dict[int, list[int]]:
         """A server's experts per MoE layer."""
@@ -90,6 +97,9 @@ class Member(Message):
 
     def with_status(self, status: str) -> "Member":
         return replace(self, status=status)
+
+    def with_holdings(self, layer_experts: dict) -> "Member":
+        return replace(self, layer_experts=layer_experts)
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,17 @@ class SetStatus(Message):
 
     def validate(self) -> None:
         _check_status(self.status)
+
+
+@dataclass(frozen=True)
+class SetHoldings(Message):
+    """A server's experts per MoE layer changed (``Member.layer_experts``'s form)."""
+
+    incarnation: str
+    layer_experts: dict
+
+    def validate(self) -> None:
+        _check_layer_experts(self.layer_experts)
 
 
 @dataclass(frozen=True)

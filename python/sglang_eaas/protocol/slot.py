@@ -58,6 +58,14 @@ def request_writes(layout: SlotLayout, base: int, hidden: torch.Tensor,
             (base + layout.request_header, header)]
 
 
+class Rejected(ProtocolError):
+    """The server refused the request; ``reason`` says why (``RejectReason``)."""
+
+    def __init__(self, reason: RejectReason, seq: int):
+        super().__init__(f"server rejected request {seq}: {reason.name}")
+        self.reason = reason
+
+
 class ClientSlot:
     """The client's side: only it writes requests and reads results.
 
@@ -148,7 +156,7 @@ class ClientSlot:
             result = answer[HEADER_BYTES:].view(self.dtype).view(tokens, self.layout.hidden_size)
         answered = ResultHeader.unpack(header)
         if answered.status != ResultStatus.OK:
-            raise ProtocolError(f"server rejected request {self.seq}: {answered.reason.name}")
+            raise Rejected(answered.reason, self.seq)
         if answered.seq != self.seq or answered.num_tokens != tokens:
             raise ProtocolError(f"result is for request {answered.seq} of "
                                 f"{answered.num_tokens} tokens, expected {self.seq} of {tokens}")

@@ -1,0 +1,229 @@
+"""Changing what an expert server holds while it serves (``add_experts``, ``drop_experts``).
+
+* **Add**: the weights are read from a peer server that holds them (``expert_weights``, chunk
+  by chunk over its control endpoint; the peer's digest of the expert must equal this server's,
+  and the bytes' sha256 must match), from the checkpoint on disk if no peer is given or the peer
+  fails. The new ``LayerExperts`` (old rows first, so a request already collected keeps its
+  rows) is swapped in by the serving loop between batches; only then does the server say it
+  holds them (``stats``, the monitor's ``set_holdings``), so no client sends an expert before
+  it can be computed.
+* **Drop**: the server says at once that it no longer holds them (clients stop sending them at
+  their next step), keeps answering for them while requests still come, and frees their rows
+  once none came for ``grace`` seconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ibgda import TransportError
+from sglang_eaas.checkpoint import expert_digests
+from sglang_eaas.expert_server.experts import load_experts, with_experts, without_experts
+from sglang_eaas.protocol.control import (
+    WEIGHT_CHUNK, WEIGHT_TENSORS, AddExperts, DropExperts, ExpertWeights, HoldingsChange,
+    WeightsChunk,
+)
+from sglang_eaas.protocol.lines import Channel, ControlError
+from sglang_eaas.protocol.slot import DTYPE_NAMES, DTYPES_BY_NAME
+
+if TYPE_CHECKING:
+    from sglang_eaas.expert_server.server import ExpertServer
+
+logger = logging.getLogger(__name__)
+FETCH_TIMEOUT = 30.0  # seconds one chunk from a peer may take
+RETIRE_POLL = 0.05  # seconds between looks at which dropped experts went quiet
+
+
+class Replicas:
+    """One server's holdings changes (one at a time)."""
+
+    def __init__(self, server: "ExpertServer"):
+        self.server = server
+        self._change = threading.Lock()  # one add or drop at a time
+        self._retiring_lock = threading.Lock()
+        self.retiring: dict[int, dict[int, float]] = {}  # layer -> expert -> last request at
+        self._retirer: threading.Thread | None = None
+
+    # -- add --------------------------------------------------------------------------------
+    def add(self, request: AddExperts) -> HoldingsChange:
+        s = self.server
+        layer = self._check_layer(request.layer, request.experts)
+        with self._change:
+            advertised = set(s.holdings.get(layer, ()))
+            with self._retiring_lock:
+                back = [e for e in request.experts if e in self.retiring.get(layer, {})]
+                for e in back:  # still loaded: held again without a copy
+                    del self.retiring[layer][e]
+            new = [e for e in request.experts if e not in advertised and e not in back]
+            from_peer, from_disk = [], []
+            if new:
+                w13, w2, from_peer, from_disk = self._weights(layer, new, request.source)
+                s.swap_layer(layer, with_experts(s.layers.get(layer), new, w13, w2,
+                                                 s.info.num_experts))
+                s.digests = {**s.digests, **expert_digests(s.config.model_path, s.info, new)}
+            s.set_holdings(layer, sorted(advertised | set(request.experts)))
+            s.stats["replicas_added"] += len(new) + len(back)
+            logger.info("MoE layer %d: now holding experts %s too (%d from peer %s, %d from "
+                        "disk, %d kept)", layer, sorted(request.experts), len(from_peer),
+                        request.source or "-", len(from_disk), len(back))
+            return HoldingsChange(s.holdings[layer], from_peer, from_disk)
+
+    def _weights(self, layer: int, experts: list[int], source: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """``w13 [n, 2I, H]``, ``w2 [n, H, I]`` of ``experts`` in this server's dtype."""
+        s = self.server
+        if source:
+            try:
+                w13, w2 = fetch_from_peer(source, s.config.token, layer, experts, s.digests_of(
+                    experts), s.dtype)
+                return w13, w2, list(experts), []
+            except (TransportError, ControlError, ValueError) as exc:
+                s.stats["replica_fetch_fallbacks"] += 1
+                logger.warning("MoE layer %d: could not read experts %s from %s (%s); reading "
+                               "them from %s", layer, experts, source, exc, s.config.model_path)
+        loaded = load_experts(s.config.model_path, s.info, {layer: experts}, s.dtype)[layer]
+        return loaded.w13, loaded.w2, [], list(experts)
+
+    # -- drop -------------------------------------------------------------------------------
+    def drop(self, request: DropExperts) -> HoldingsChange:
+        s = self.server
+        layer = self._check_layer(request.layer, request.experts)
+        if s.tier is None:
+            raise ControlError("drop_needs_monitor", (
+                f"expert server {s.address} has no monitor, so its clients would not learn "
+                "that it stops holding these experts; start it with --monitor"))
+        with self._change:
+            advertised = set(s.holdings.get(layer, ()))
+            unknown = sorted(set(request.experts) - advertised)
+            if unknown:
+                raise ControlError("drop_not_held", (
+                    f"expert server {s.address} does not hold experts {unknown} of MoE layer "
+                    f"{layer} (it holds {sorted(advertised)})"))
+            if not request.force:
+                s.tier.check_covered({layer: request.experts}, "drop_uncovered",
+                                     "drop with force")
+            s.set_holdings(layer, sorted(advertised - set(request.experts)))
+            now = time.monotonic()
+            with self._retiring_lock:
+                self.retiring.setdefault(layer, {}).update({e: now for e in request.experts})
+                if self._retirer is None or not self._retirer.is_alive():
+                    self._retirer = threading.Thread(target=self._retire, args=(request.grace,),
+                                                     name="eaas-retire", daemon=True)
+                    self._retirer.start()
+            s.stats["replicas_dropped"] += len(request.experts)
+            logger.info("MoE layer %d: no longer holding experts %s (their weights go once no "
+                        "request used them for %gs)", layer, sorted(request.experts),
+                        request.grace)
+            return HoldingsChange(s.holdings.get(layer, []))
+
+    def used(self, layer: int, ids: torch.Tensor) -> None:
+        """The serving loop saw a request of ``layer`` with ``ids``: a retiring expert among
+        them is not quiet yet."""
+        retiring = self.retiring.get(layer)
+        if retiring:
+            present = set(torch.unique(ids).tolist())
+            now = time.monotonic()
+            with self._retiring_lock:
+                for e in list(retiring):
+                    if e in present:
+                        retiring[e] = now
+
+    def _retire(self, grace: float) -> None:
+        """Free the rows of every retiring expert that went quiet for ``grace`` seconds."""
+        s = self.server
+        while True:
+            time.sleep(RETIRE_POLL)
+            with self._change:
+                with self._retiring_lock:
+                    now = time.monotonic()
+                    quiet = {layer: [e for e, at in experts.items() if now - at >= grace]
+                             for layer, experts in self.retiring.items()}
+                    quiet = {layer: ids for layer, ids in quiet.items() if ids}
+                    for layer, ids in quiet.items():
+                        for e in ids:
+                            del self.retiring[layer][e]
+                    self.retiring = {k: v for k, v in self.retiring.items() if v}
+                    done = not self.retiring
+                for layer, ids in quiet.items():
+                    s.swap_layer(layer, without_experts(s.layers[layer], ids))
+                    logger.info("MoE layer %d: freed the weights of experts %s", layer, ids)
+            if done:
+                return
+
+    def _check_layer(self, layer: int, experts: list[int]) -> int:
+        info = self.server.info
+        if layer not in info.moe_layers:
+            raise ControlError("bad_field", f"layer {layer} is not a MoE layer of this model "
+                               f"(those are {list(info.moe_layers)})")
+        bad = [e for e in experts if e >= info.num_experts]
+        if bad:
+            raise ControlError("bad_field", f"experts {bad} do not exist: the model has "
+                               f"{info.num_experts}")
+        return layer
+
+
+# -- a peer's weights -----------------------------------------------------------------------
+def weights_chunk(server: "ExpertServer", request: ExpertWeights) -> WeightsChunk:
+    """The peer's side of ``fetch_from_peer``: one chunk of one held expert's tensor."""
+    layer = server.layers.get(request.layer)
+    row = -1 if layer is None or request.expert >= layer.local_index.numel() else int(
+        layer.local_index[request.expert])
+    if row < 0 or request.expert not in server.holdings.get(request.layer, ()):
+        raise ControlError("weights_not_held", f"expert server {server.address} does not hold "
+                           f"expert {request.expert} of MoE layer {request.layer}")
+    tensor = getattr(layer, request.tensor)[row].contiguous()
+    raw = tensor.view(torch.uint8).reshape(-1).numpy().tobytes()  # a copy: the row is freed
+    if request.offset > len(raw):
+        raise ControlError("bad_field", f"offset {request.offset} is past the tensor's "
+                           f"{len(raw)} bytes")
+    return WeightsChunk(base64.b64encode(raw[request.offset:request.offset + WEIGHT_CHUNK])
+                        .decode(), len(raw), DTYPE_NAMES[tensor.dtype], list(tensor.shape),
+                        hashlib.sha256(raw).hexdigest() if request.offset == 0 else "")
+
+
+def fetch_from_peer(source: str, token: str, layer: int, experts: list[int],
+                    digests: dict[int, str], dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``experts``' ``w13``, ``w2`` of ``layer`` from the server at ``source``, as ``dtype``.
+
+    Raises ``TransportError``/``ControlError`` if the peer cannot give them, ``ValueError`` if
+    what came is not these experts' weights (another checkpoint, or damaged in transit)."""
+    channel = Channel(source, token, FETCH_TIMEOUT)
+    try:
+        theirs = channel.call("stats")["stats"].get("expert_digests", {})
+        differ = [e for e in experts if theirs.get(str(e)) != digests[e]]
+        if differ:
+            raise ValueError(f"{source} holds other weights for experts {differ}")
+        tensors = {name: [] for name in WEIGHT_TENSORS}
+        for e in experts:
+            for name in WEIGHT_TENSORS:
+                tensors[name].append(_fetch_tensor(channel, layer, e, name).to(dtype))
+    finally:
+        channel.close()
+    return torch.stack(tensors["w13"]), torch.stack(tensors["w2"])
+
+
+def _fetch_tensor(channel: Channel, layer: int, expert: int, name: str) -> torch.Tensor:
+    first = WeightsChunk.from_message(channel.call("expert_weights", layer=layer,
+                                                   expert=expert, tensor=name, offset=0))
+    parts = [base64.b64decode(first.data)]
+    got = len(parts[0])
+    while got < first.total:
+        chunk = channel.call("expert_weights", layer=layer, expert=expert, tensor=name,
+                             offset=got)
+        parts.append(base64.b64decode(chunk["data"]))
+        if not parts[-1]:
+            raise ValueError(f"expert {expert}'s {name} ended at {got} of {first.total} bytes")
+        got += len(parts[-1])
+    raw = b"".join(parts)
+    if len(raw) != first.total or hashlib.sha256(raw).hexdigest() != first.sha256:
+        raise ValueError(f"expert {expert}'s {name} arrived damaged ({len(raw)} bytes)")
+    return torch.frombuffer(bytearray(raw), dtype=DTYPES_BY_NAME[first.dtype]).reshape(
+        first.shape)

@@ -1,0 +1,214 @@
+"""Replicas added and dropped while serving (``add_experts``/``drop_experts``, docs/protocol.md
+"Replicas"): real expert-server processes, a monitor, a client stepping through layers; every
+sum is checked against transformers' experts."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from conftest import open_log
+from hf_reference import assert_matches_hf, hf_routed_experts
+from sglang_eaas.checkpoint import ModelIdentity
+from sglang_eaas.client.client import EaasClient
+from sglang_eaas.launcher.local_servers import start_local_servers
+from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
+from sglang_eaas.protocol.control import probe
+from sglang_eaas.protocol.lines import Channel, Refused
+
+import os
+
+TOKEN = os.environ["SGLANG_EAAS_TOKEN"]
+HEARTBEAT, LOSS = 0.1, 0.4
+# Experts 2 and 3 only on server 0, 4 and 5 only on server 1; 0, 1, 6, 7 on two servers.
+PLACEMENT = [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def monitor():
+    made = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=LOSS)).start()
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def info(tiny_qwen3) -> MoeModelInfo:
+    return MoeModelInfo.from_model_path(tiny_qwen3)
+
+
+@pytest.fixture(scope="module")
+def hf_experts(tiny_qwen3):
+    return hf_routed_experts(tiny_qwen3)
+
+
+@pytest.fixture()
+def servers(monitor, tiny_qwen3, request):
+    log = open_log(f"replicas-{request.node.name}")
+    made = start_local_servers(tiny_qwen3, PLACEMENT, "float32", max_clients=4,
+                               extra_args=("--monitor", monitor.address, "--heartbeat",
+                                           str(HEARTBEAT)), stdout=log)
+    deadline = time.monotonic() + 15
+    while {s.address for s in made} - {m.id for m in monitor.registry.snapshot().servers()}:
+        assert time.monotonic() < deadline, "the servers did not register"
+        time.sleep(0.05)
+    yield made
+    for server in made:
+        server.stop()
+    log.close()
+
+
+@pytest.fixture()
+def client_of(info, tiny_qwen3):
+    made = []
+
+    def make(servers, name: str, monitor: str, result_timeout: float = 30.0) -> EaasClient:
+        made.append(EaasClient([s.address for s in servers], info, ModelIdentity.of(tiny_qwen3),
+                               torch.float32, name, result_timeout=result_timeout,
+                               monitor=monitor, heartbeat=HEARTBEAT))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def _call(server, op: str, **fields) -> dict:
+    channel = Channel(server.address, TOKEN, 60.0)
+    try:
+        return channel.call(op, **fields)
+    finally:
+        channel.close()
+
+
+def _batch(info: MoeModelInfo, tokens: int, seed: int, experts: list[int]):
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(experts)
+    x = torch.randn(tokens, info.hidden_size, generator=g)
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:info.top_k]]
+                       for _ in range(tokens)])
+    return x, ids, torch.rand(tokens, info.top_k, generator=g)
+
+
+def _step(client: EaasClient, layer: int, x, ids, w):
+    client.begin_step()
+    try:
+        out = client.forward(layer, x, ids, w)
+    finally:
+        failed = client.end_step()
+    return out, failed
+
+
+def _until(condition, timeout: float, what: str, step=lambda: None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
+        step()
+        time.sleep(0.02)
+
+
+def _tokens(server) -> int:
+    return probe(server.address, TOKEN).get("tokens", 0)
+
+
+def test_a_replica_added_from_a_peer_then_the_original_dropped_in_use(
+        servers, client_of, monitor, info, hf_experts):
+    """Server 2 loads experts 2 and 3 of MoE layer 0 from server 0 while the client serves;
+    the client splits their tokens over both; then server 0 drops them while steps keep using
+    them: every sum is right, no row fails, nothing fails over, and server 0 frees the rows."""
+    client = client_of(servers, "replicas", monitor.address)
+    layer, hot = 0, [2, 3]
+    x, ids, w = _batch(info, 32, seed=1, experts=hot)
+    assert_matches_hf(_step(client, layer, x, ids, w)[0], hf_experts, layer, x, ids, w)
+
+    reply = _call(servers[2], "add_experts", layer=layer, experts=hot, source=servers[0].address)
+    assert reply["from_peer"] == hot and reply["from_disk"] == []
+    assert reply["layer_experts"] == [0, 1, 2, 3, 6, 7]
+    other_layer = probe(servers[2].address, TOKEN)["layer_experts"][str(info.moe_layers[1])]
+    assert other_layer == [0, 1, 6, 7]  # only that layer changed
+    _until(lambda: 2 in client.table.placement[servers[2].address][layer], 10,
+           "the client's table with the replica", step=lambda: _step(client, layer, x, ids, w))
+    before = [_tokens(s) for s in servers]
+    out, failed = _step(client, layer, x, ids, w)
+    assert_matches_hf(out, hf_experts, layer, x, ids, w)  # the fetched weights are right
+    assert not failed
+    added = [_tokens(s) - b for s, b in zip(servers, before)]
+    assert added[1] == 0 and added[0] > 0 and added[2] > 0, added  # split over both holders
+
+    errors, steps = [], [0]
+    stop = threading.Event()
+
+    def serve():
+        seed = 100
+        while not stop.is_set():
+            seed += 1
+            bx, bids, bw = _batch(info, 16, seed=seed, experts=hot + [0, 5])
+            try:
+                out, failed = _step(client, layer, bx, bids, bw)
+                assert not failed, failed
+                assert_matches_hf(out, hf_experts, layer, bx, bids, bw)
+                steps[0] += 1
+            except AssertionError as exc:
+                errors.append(exc)
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    try:
+        _until(lambda: steps[0] >= 3, 30, "steps before the drop")
+        weights = probe(servers[0].address, TOKEN)["weight_bytes"]
+        reply = _call(servers[0], "drop_experts", layer=layer, experts=hot, grace=0.5)
+        assert reply["layer_experts"] == [0, 1]
+        _until(lambda: probe(servers[0].address, TOKEN)["weight_bytes"] < weights, 30,
+               "server 0 freeing the dropped experts")
+        at = steps[0]
+        _until(lambda: steps[0] >= at + 3, 30, "steps after the drop")
+    finally:
+        stop.set()
+        worker.join(60)
+    assert not errors, errors[0]
+    assert client.tier.stats["failovers"] == 0 and client.tier.stats["holdings_changes"] >= 2
+    assert 2 not in client.table.placement[servers[0].address][layer]
+
+
+def test_holdings_changes_that_are_refused_or_fall_back(servers, info):
+    """The last holder cannot drop (unless forced); a peer that does not hold the expert, or
+    does not answer, makes the server read the weights from disk; bad fields are refused."""
+    layer = info.moe_layers[1]
+    with pytest.raises(Refused, match="last live holder of experts \\[4\\]") as refused:
+        _call(servers[1], "drop_experts", layer=layer, experts=[4])
+    assert refused.value.reason == "drop_uncovered"
+    reply = _call(servers[0], "add_experts", layer=layer, experts=[5],
+                  source=servers[2].address)  # server 2 does not hold 5
+    assert reply["from_disk"] == [5] and reply["from_peer"] == []
+    reply = _call(servers[0], "add_experts", layer=layer, experts=[4], source="127.0.0.1:9")
+    assert reply["from_disk"] == [4]
+    assert probe(servers[0].address, TOKEN)["replica_fetch_fallbacks"] == 2
+    for fields, reason in (
+            (dict(layer=99, experts=[1]), "not a MoE layer"),
+            (dict(layer=layer, experts=[]), "distinct expert ids"),
+            (dict(layer=layer, experts=[1, 1]), "distinct expert ids"),
+            (dict(layer=layer, experts=[info.num_experts]), "do not exist")):
+        with pytest.raises(Refused, match=reason):
+            _call(servers[0], "add_experts", **fields)
+    with pytest.raises(Refused, match="does not hold experts \\[3\\]"):
+        _call(servers[1], "drop_experts", layer=layer, experts=[3])
+    with pytest.raises(Refused, match="does not hold expert 7"):
+        _call(servers[0], "expert_weights", layer=layer, expert=7, tensor="w13")
+
+
+def test_a_client_that_never_learns_of_a_drop(servers, client_of, info, hf_experts):
+    """A client without the monitor keeps its old table; once the server has freed the
+    experts it refuses them (FOREIGN_EXPERT), the client waits for a newer table, gets
+    none, and sends those entries to the other holders: the sum is still right."""
+    client = client_of(servers, "no-monitor", monitor="", result_timeout=1.0)
+    layer = info.moe_layers[0]
+    x, ids, w = _batch(info, 24, seed=7, experts=[0, 1])  # on servers 0 and 2
+    assert_matches_hf(_step(client, layer, x, ids, w)[0], hf_experts, layer, x, ids, w)
+    _call(servers[2], "drop_experts", layer=layer, experts=[0, 1], grace=0.0)
+    _until(lambda: probe(servers[2].address, TOKEN)["weight_bytes"]
+           < probe(servers[0].address, TOKEN)["weight_bytes"], 10, "the rows freed")
+    out, failed = _step(client, layer, x, ids, w)
+    assert_matches_hf(out, hf_experts, layer, x, ids, w)
+    assert not failed and servers[2].address not in client.table.servers
