@@ -30,6 +30,7 @@ import pytest
 import requests
 from conftest import CACHE, PROMPTS, open_log, start_server
 from hf_reference import hf_greedy_routes
+from sglang_eaas.balance.apply import apply_placement, live_placement
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.monitor import connect
 from sglang_eaas.protocol.control import probe
@@ -309,3 +310,37 @@ def test_a_client_rank_hung_or_killed(deployment, tiny_qwen3):
                     time.sleep(0.2)
     finally:
         shared.stop()
+
+
+def test_replicas_moved_mid_stream(deployment):
+    """A balancer's move, live (balance/apply.py): X, which holds only expert E of layer 1,
+    loads experts 0-3 of layer 0 from an S server while eight streams decode, then that S
+    server drops them (the other S still holds them): no stream changes a token. Then the move
+    is undone, as live."""
+    d = deployment
+    s0, (x,) = d.holding("s")[0], d.holding("x")
+    before = live_placement(d.watcher.watch(-1, 0.0))
+    served = probe(x, TOKEN).get("tokens", 0)
+    assert _streams(d.sglang) == d.baseline
+    alone = probe(x, TOKEN).get("tokens", 0) - served  # tokens that needed E in layer 1
+    moved = {s: {layer: list(ids) for layer, ids in layers.items()} for s, layers in
+             before.items()}
+    moved[x][0], moved[s0][0] = [0, 1, 2, 3], [4, 5, 6, 7]
+    applied = []
+    assert _streams(d.sglang, lambda: applied.append(
+        apply_placement(before, moved, TOKEN, grace=0.5))) == d.baseline
+    assert applied[0].from_peer == 4 and applied[0].from_disk == 0
+    assert [(c.server, c.layer, c.add, c.drop) for c in applied[0].changes] == sorted(
+        [(x, 0, (0, 1, 2, 3), ()), (s0, 0, (), (0, 1, 2, 3))])
+    deadline = time.monotonic() + 30
+    while not re.search(rf"expert server {x} now holds experts per MoE layer \{{0: \[0, 1, 2, "
+                        r"3\]", d.sglang.log_path.read_text()):
+        assert time.monotonic() < deadline, "SGLang's client did not take the new holdings"
+        time.sleep(0.1)
+    served = probe(x, TOKEN).get("tokens", 0)
+    assert _streams(d.sglang) == d.baseline
+    assert probe(x, TOKEN).get("tokens", 0) - served > alone  # the replicas are used
+    assert live_placement(d.watcher.watch(-1, 0.0)) == moved
+    apply_placement(moved, before, TOKEN, grace=0.5)
+    assert _streams(d.sglang) == d.baseline
+    assert live_placement(d.watcher.watch(-1, 0.0)) == before

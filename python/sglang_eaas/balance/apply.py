@@ -1,0 +1,106 @@
+"""Applying a placement to the live expert tier: adds first, then drops.
+
+A placement is ``{server: {moe_layer: [experts]}}`` (``RoutingTable.placement``'s form). From
+the tier's current one (the monitor's snapshot) to a target, every (server, layer) gets the
+experts it lacks with ``add_experts`` (read from a server that holds them now), and only once
+every add is done do servers ``drop_experts`` what the target no longer gives them; so every
+expert keeps a live holder throughout, and clients switch tables between steps
+(docs/protocol.md, "Replicas").
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from sglang_eaas.protocol.lines import Channel
+from sglang_eaas.protocol.monitor import SERVING, Snapshot
+
+Placement = Mapping[str, Mapping[int, list[int]]]  # server -> MoE layer -> experts
+
+
+@dataclass(frozen=True)
+class Change:
+    """One server's change in one MoE layer."""
+
+    server: str
+    layer: int
+    add: tuple[int, ...] = ()
+    drop: tuple[int, ...] = ()
+
+
+@dataclass
+class Applied:
+    """What ``apply_placement`` did: the changes, where added weights came from, how long."""
+
+    changes: list[Change] = field(default_factory=list)
+    from_peer: int = 0
+    from_disk: int = 0
+    seconds: float = 0.0
+
+
+def live_placement(snapshot: Snapshot, fingerprint: str | None = None) -> dict:
+    """The serving servers' experts per MoE layer, as the monitor has them."""
+    return {m.id: m.holdings() for m in snapshot.servers(fingerprint) if m.status == SERVING}
+
+
+def changes(current: Placement, target: Placement) -> list[Change]:
+    """Per (server, layer): what to add and drop to go from ``current`` to ``target``
+    (servers only in one of them are left alone: joining and leaving are not placement)."""
+    found = []
+    for server in sorted(set(current) & set(target)):
+        for layer in sorted(set(current[server]) | set(target[server])):
+            have = set(current[server].get(layer, ()))
+            want = set(target[server].get(layer, ()))
+            if have != want:
+                found.append(Change(server, layer, tuple(sorted(want - have)),
+                                    tuple(sorted(have - want))))
+    return found
+
+
+def apply_placement(current: Placement, target: Placement, token: str, grace: float = 2.0,
+                    say: Callable[[str], None] = lambda line: None,
+                    timeout: float = 120.0) -> Applied:
+    """Make the live tier hold ``target``: every add (from a current holder), then every drop.
+    Raises what a server refuses with (``Refused``: e.g. a drop of a last holder), after the
+    changes before it were made."""
+    began = time.monotonic()
+    done = Applied(changes(current, target))
+    holders: dict[tuple[int, int], list[str]] = defaultdict(list)
+    for server, layers in current.items():
+        for layer, experts in layers.items():
+            for e in experts:
+                holders[(layer, e)].append(server)
+    for change in done.changes:
+        if not change.add:
+            continue
+        by_source: dict[str, list[int]] = defaultdict(list)
+        for e in change.add:
+            sources = [s for s in holders[(change.layer, e)] if s != change.server]
+            # spread the reads over the holders: the one least read from so far
+            source = min(sources, key=lambda s: (len(by_source.get(s, ())), s), default="")
+            by_source[source].append(e)
+        for source, experts in by_source.items():
+            reply = _call(change.server, token, timeout, "add_experts", layer=change.layer,
+                          experts=experts, source=source)
+            done.from_peer += len(reply["from_peer"])
+            done.from_disk += len(reply["from_disk"])
+            say(f"{change.server}: MoE layer {change.layer} +{experts} (from "
+                f"{source or 'disk'})")
+    for change in done.changes:
+        if change.drop:
+            _call(change.server, token, timeout, "drop_experts", layer=change.layer,
+                  experts=list(change.drop), grace=grace)
+            say(f"{change.server}: MoE layer {change.layer} -{list(change.drop)}")
+    done.seconds = time.monotonic() - began
+    return done
+
+
+def _call(server: str, token: str, timeout: float, op: str, **fields) -> dict:
+    channel = Channel(server, token, timeout)
+    try:
+        return channel.call(op, **fields)
+    finally:
+        channel.close()
