@@ -15,27 +15,18 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from sglang_eaas.balance.placer import Move, moves
 from sglang_eaas.protocol.lines import Channel
 from sglang_eaas.protocol.monitor import SERVING, Snapshot
 
 Placement = Mapping[str, Mapping[int, list[int]]]  # server -> MoE layer -> experts
 
 
-@dataclass(frozen=True)
-class Change:
-    """One server's change in one MoE layer."""
-
-    server: str
-    layer: int
-    add: tuple[int, ...] = ()
-    drop: tuple[int, ...] = ()
-
-
 @dataclass
 class Applied:
     """What ``apply_placement`` did: the changes, where added weights came from, how long."""
 
-    changes: list[Change] = field(default_factory=list)
+    changes: list[Move] = field(default_factory=list)
     from_peer: int = 0
     from_disk: int = 0
     seconds: float = 0.0
@@ -46,20 +37,6 @@ def live_placement(snapshot: Snapshot, fingerprint: str | None = None) -> dict:
     return {m.id: m.holdings() for m in snapshot.servers(fingerprint) if m.status == SERVING}
 
 
-def changes(current: Placement, target: Placement) -> list[Change]:
-    """Per (server, layer): what to add and drop to go from ``current`` to ``target``
-    (servers only in one of them are left alone: joining and leaving are not placement)."""
-    found = []
-    for server in sorted(set(current) & set(target)):
-        for layer in sorted(set(current[server]) | set(target[server])):
-            have = set(current[server].get(layer, ()))
-            want = set(target[server].get(layer, ()))
-            if have != want:
-                found.append(Change(server, layer, tuple(sorted(want - have)),
-                                    tuple(sorted(have - want))))
-    return found
-
-
 def apply_placement(current: Placement, target: Placement, token: str, grace: float = 2.0,
                     say: Callable[[str], None] = lambda line: None,
                     timeout: float = 120.0) -> Applied:
@@ -67,17 +44,19 @@ def apply_placement(current: Placement, target: Placement, token: str, grace: fl
     Raises what a server refuses with (``Refused``: e.g. a drop of a last holder), after the
     changes before it were made."""
     began = time.monotonic()
-    done = Applied(changes(current, target))
+    # servers in only one of them are not placement (joining and leaving are the tier's)
+    both = set(current) & set(target)
+    done = Applied(moves({s: current[s] for s in both}, {s: target[s] for s in both}))
     holders: dict[tuple[int, int], list[str]] = defaultdict(list)
     for server, layers in current.items():
         for layer, experts in layers.items():
             for e in experts:
                 holders[(layer, e)].append(server)
     for change in done.changes:
-        if not change.add:
+        if not change.adds:
             continue
         by_source: dict[str, list[int]] = defaultdict(list)
-        for e in change.add:
+        for e in change.adds:
             sources = [s for s in holders[(change.layer, e)] if s != change.server]
             # spread the reads over the holders: the one least read from so far
             source = min(sources, key=lambda s: (len(by_source.get(s, ())), s), default="")
@@ -90,10 +69,10 @@ def apply_placement(current: Placement, target: Placement, token: str, grace: fl
             say(f"{change.server}: MoE layer {change.layer} +{experts} (from "
                 f"{source or 'disk'})")
     for change in done.changes:
-        if change.drop:
+        if change.drops:
             _call(change.server, token, timeout, "drop_experts", layer=change.layer,
-                  experts=list(change.drop), grace=grace)
-            say(f"{change.server}: MoE layer {change.layer} -{list(change.drop)}")
+                  experts=list(change.drops), grace=grace)
+            say(f"{change.server}: MoE layer {change.layer} -{list(change.drops)}")
     done.seconds = time.monotonic() - began
     return done
 

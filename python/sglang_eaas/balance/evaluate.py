@@ -1,0 +1,84 @@
+"""What a placement does to one MoE layer's load: tokens per server, max/mean, straggler time.
+
+Tokens of an expert are split over its holders as ``ExpertRouting`` splits them: evenly (with
+``whole_tokens``, dealt one by one in server order, as one step's round-robin does). ``copies``
+models a server that holds several physical copies of one expert (SGLang's EPLB may put two on
+one GPU): that server gets that many shares of the expert's tokens and streams that many
+weight sets. docs/balancing.md, "Evaluation", gives the time model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+LayerCopies = Mapping[str, Mapping[int, int]]  # server -> expert -> physical copies there (>= 1)
+
+
+@dataclass(frozen=True)
+class LayerLoad:
+    """One layer under one placement: ``tokens[i]`` and ``active[i]`` (weight sets with tokens
+    to stream) of server ``servers[i]``."""
+
+    servers: tuple[str, ...]
+    tokens: np.ndarray  # [S] float64
+    active: np.ndarray  # [S] int64
+
+    @property
+    def max_over_mean(self) -> float:
+        """Busiest server's tokens over the mean (1.0 is perfect; 1.0 when there are none)."""
+        mean = float(self.tokens.mean())
+        return float(self.tokens.max()) / mean if mean > 0 else 1.0
+
+    def time(self, a: float, b: float) -> float:
+        """The layer's straggler time: max over servers of ``a * tokens + b * active``."""
+        return float((a * self.tokens + b * self.active).max())
+
+
+def layer_load(placement: Mapping[str, Sequence[int]], load: np.ndarray,
+               copies: LayerCopies | None = None, whole_tokens: bool = False) -> LayerLoad:
+    """Per-server tokens of ``load`` (``[E]`` tokens per expert) under ``placement``
+    (``{server: experts}``, every expert with load held somewhere).
+
+    ``whole_tokens``: ``load`` is one step's integer counts; an expert's ``n`` tokens over ``r``
+    holders give the first ``n % r`` holders (in ``placement``'s order) one more, and a holder
+    with no token streams no weights. Otherwise shares are fractional (a window of many steps).
+    """
+    load = np.asarray(load, dtype=np.float64)
+    servers = tuple(placement)
+    count = np.zeros((len(servers), len(load)), dtype=np.int64)  # physical copies
+    for i, s in enumerate(servers):
+        for e in placement[s]:
+            count[i, e] = copies[s].get(e, 1) if copies and s in copies else 1
+    holders = count.sum(axis=0)
+    unheld = np.flatnonzero((holders == 0) & (load > 0))
+    if unheld.size:
+        raise ValueError(f"experts {unheld.tolist()} have load but no holder")
+    if whole_tokens:
+        shares = np.zeros(count.shape, dtype=np.float64)
+        for e in np.flatnonzero(load > 0):
+            n, r = int(load[e]), int(holders[e])
+            slot = np.repeat(np.arange(len(servers)), count[:, e])  # one entry per copy
+            dealt = n // r + (np.arange(r) < n % r)
+            np.add.at(shares[:, e], slot, dealt)
+            count[:, e] = np.bincount(slot, weights=dealt > 0, minlength=len(servers))
+    else:
+        shares = count * np.divide(load, holders, out=np.zeros_like(load), where=holders > 0)
+    active = np.where(shares > 0, count, 0).sum(axis=1)
+    return LayerLoad(servers, shares.sum(axis=1), active.astype(np.int64))
+
+
+def replica_counts(placement: Mapping[str, Sequence[int]], num_experts: int) -> np.ndarray:
+    """``[E]`` int64: how many servers of ``placement`` hold each expert."""
+    counts = np.zeros(num_experts, dtype=np.int64)
+    for experts in placement.values():
+        counts[list(experts)] += 1
+    return counts
+
+
+def layer_of(model: Mapping[str, Mapping[int, Sequence[int]]], layer: int
+             ) -> dict[str, list[int]]:
+    """One MoE layer of a model placement ``{server: {layer: experts}}``."""
+    return {s: list(held.get(layer, ())) for s, held in model.items()}
