@@ -1,6 +1,6 @@
 """Benchmark: decode throughput of a replicated deployment while expert servers are killed one by
-one, against the same deployment without failures (the EaaS paper's Fig. 10 protocol, §5.4, at
-CPU scale).
+one (or while replicas are moved between servers, ``--fault replace``), against the same
+deployment without failures (the EaaS paper's Fig. 10 protocol, §5.4, at CPU scale).
 
 One SGLang server (--eaas, embedded monitor) on the bench checkpoint with N local expert servers,
 each expert on R of them. A closed loop of C concurrent streaming requests runs for D seconds
@@ -9,6 +9,11 @@ twice: first with no failure (the baseline), then with K servers killed (kill -9
 chunks' arrival times it reports the average decode throughput of both runs and the drop, for each
 failure the longest stall of any request between two of its tokens and the time from the failure
 to full throughput, the failed requests, and a plot of throughput over time (PNG).
+
+``--fault replace`` fails nothing: at the same instants it re-places experts live
+(``balance.apply``): in every MoE layer each server hands a quarter of its experts to the next
+server that lacks them (added there from a peer's copy, then dropped at the giver), the move
+issue 12 asks to measure: the longest gap between two decode steps during a re-placement.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 import requests
 
 from sglang_eaas import cpu_runtime, envs
+from sglang_eaas.balance.apply import apply_placement, live_placement
 from sglang_eaas.config import RESULT_TIMEOUT
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor import connect
@@ -40,7 +46,7 @@ from bench_lib.report import Report, default_out, say
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 3.0  # seconds at the start of each run left out of the averages (prefill ramp)
 FULL = 0.9  # "full throughput": a 1 s window at >= this share of the baseline's median window
-DONE = {"kill": "killed (kill -9)", "stop": "hung (SIGSTOP)"}
+DONE = {"kill": "killed (kill -9)", "stop": "hung (SIGSTOP)", "replace": "re-placements"}
 
 
 
@@ -55,9 +61,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kills", type=int, default=2,
                    help="servers failed one by one in the fault run (at most --replicas - 1, so "
                    "every expert keeps a holder); default 2")
-    p.add_argument("--fault", choices=["kill", "stop"], default="kill",
-                   help="kill -9, or SIGSTOP (a hung server, found by the monitor's heartbeats); "
-                   "default kill")
+    p.add_argument("--fault", choices=["kill", "stop", "replace"], default="kill",
+                   help="kill -9, SIGSTOP (a hung server, found by the monitor's heartbeats), or "
+                   "replace: no failure, --kills live re-placements of a quarter of every "
+                   "server's experts instead; default kill")
     p.add_argument("--duration", type=float, default=60.0,
                    help="seconds of load per run; default 60")
     p.add_argument("--concurrency", type=int, default=8,
@@ -69,17 +76,22 @@ def parse_args() -> argparse.Namespace:
                    help="seconds per point of the throughput plot; default 0.5")
     p.add_argument("--log-dir", type=Path, default=ROOT / ".cache" / "logs",
                    help="where the server logs go; default .cache/logs")
-    p.add_argument("--out", type=Path, default=default_out("faults"),
-                   help="markdown report; default %(default)s")
+    p.add_argument("--out", type=Path, default=None,
+                   help="markdown report; default .cache/bench/faults.md (replacement.md with "
+                   "--fault replace)")
     p.add_argument("--plot", type=Path, default=None,
                    help="PNG of throughput over time; default: --out with .png (bench_paste "
                    "copies it to docs/img/)")
     args = p.parse_args()
+    args.out = args.out or default_out("replacement" if args.fault == "replace" else "faults")
     args.plot = args.plot or args.out.with_suffix(".png")
     if not 1 <= args.replicas <= args.servers:
         p.error("--replicas must be between 1 and --servers")
-    if not 0 <= args.kills < args.replicas:
+    if args.fault != "replace" and not 0 <= args.kills < args.replicas:
         p.error("--kills must be below --replicas, or some expert loses its last holder")
+    if args.fault == "replace" and (args.kills < 0 or args.replicas >= args.servers):
+        p.error("--fault replace needs --kills >= 0 and --replicas below --servers (a server "
+                "that lacks an expert to move it to)")
     if (min(args.concurrency, args.input_len) < 1 or args.output_len < 2
             or args.duration <= 2 * WARMUP):
         p.error(f"--concurrency and --input-len must be >= 1, --output-len >= 2, --duration > "
@@ -92,6 +104,29 @@ def placement(servers: int, replicas: int, experts: int) -> dict[str, list[int]]
     return {f"local:{s}": [e for e in range(experts)
                            if any((e + j) % servers == s for j in range(replicas))]
             for s in range(servers)}
+
+
+def fault_label(args) -> str:
+    return (f"{args.kills} live re-placements" if args.fault == "replace" else
+            f"{args.kills} servers {DONE[args.fault]}")
+
+
+def rotated(current: dict, step: int) -> dict:
+    """``current`` with, in every MoE layer, every ``4``th expert of each server (offset by
+    ``step``) moved to the next server (by id) that holds no copy of it: each expert keeps its
+    number of holders, so coverage never changes."""
+    servers = sorted(current)
+    target = {s: {layer: set(ids) for layer, ids in layers.items()} for s, layers in
+              current.items()}
+    for i, giver in enumerate(servers):
+        taker = servers[(i + 1) % len(servers)]
+        for layer, ids in current[giver].items():
+            for e in sorted(ids)[step % 4::4]:
+                if e in target[giver][layer] and e not in target[taker].setdefault(layer, set()):
+                    target[giver][layer].discard(e)
+                    target[taker][layer].add(e)
+    return {s: {layer: sorted(ids) for layer, ids in layers.items()} for s, layers in
+            target.items()}
 
 
 @dataclass
@@ -196,7 +231,7 @@ def plot(path: Path, base: Run, faulty: Run, kills: list[float], args) -> None:
         return
     edges = [i * args.bin for i in range(int(args.duration / args.bin))]
     fig, ax = plt.subplots(figsize=(9, 3.6), dpi=110)
-    faulty_label = f"{len(kills)} servers {DONE[args.fault]}"
+    faulty_label = fault_label(args)
     for run, label in ((base, "no failure"), (faulty, faulty_label)):
         ax.plot([e + args.bin / 2 for e in edges],
                 [throughput(run, e, e + args.bin) for e in edges], label=label)
@@ -241,13 +276,26 @@ def main() -> int:
         servers = sorted(m.id for m in watcher.watch(-1, 0.0).servers())
         watcher.close()
         kill_at = [args.duration * (i + 1) / (args.kills + 1) for i in range(args.kills)]
-        victims = servers[:args.kills]
-        pids = {a: probe(a, envs.TOKEN.get())["pid"] for a in victims}
+        if args.fault == "replace":
+            victims = [f"move {i + 1}" for i in range(args.kills)]
+            pids = {}
+        else:
+            victims = servers[:args.kills]
+            pids = {a: probe(a, envs.TOKEN.get())["pid"] for a in victims}
         sig = signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP
 
         def faults(run: Run) -> None:
-            for at, victim in zip(kill_at, victims):
+            for i, (at, victim) in enumerate(zip(kill_at, victims)):
                 time.sleep(max(0.0, run.started + at - time.perf_counter()))
+                if args.fault == "replace":
+                    current = live_placement(connect(monitor, envs.TOKEN.get()).watch(-1, 0.0))
+                    done = apply_placement(current, rotated(current, i), envs.TOKEN.get(),
+                                           grace=1.0)
+                    say(f"  {victim} at {time.perf_counter() - run.started:.1f} s: "
+                        f"{sum(len(c.adds) for c in done.changes)} replicas added "
+                        f"({done.from_peer} from peers) and as many dropped in "
+                        f"{done.seconds:.2f} s")
+                    continue
                 os.kill(pids[victim], sig)
                 say(f"  {args.fault} {victim} at {time.perf_counter() - run.started:.1f} s")
 
@@ -281,7 +329,7 @@ def main() -> int:
         "|---|---:|---:|---:|---:|",
         f"| no failure | {base_avg:.1f} | 1.00x | {len(base.failed)} | "
         f"{base_gap * 1e3:.0f} ms |",
-        f"| {args.kills} servers {DONE[args.fault]} | {fault_avg:.1f} | "
+        f"| {fault_label(args)} | {fault_avg:.1f} | "
         f"{fault_avg / base_avg:.3f}x | {len(faulty.failed)} | "
         f"{longest_gap(faulty, *span) * 1e3:.0f} ms |",
         "",
@@ -306,6 +354,13 @@ def main() -> int:
         f"{'met' if max(stalls, default=0) <= RESULT_TIMEOUT + 0.5 else 'NOT met'}); zero failed "
         f"requests ({len(faulty.failed)}: {'met' if not faulty.failed else 'NOT met'}).",
     ]
+    if args.fault == "replace":
+        lines[-1] = (
+            f"Re-placement (issue 12): the longest wait between two tokens of a request in the "
+            f"3 s after a move, {max(stalls, default=0) * 1e3:.0f} ms, against "
+            f"{base_gap * 1e3:.0f} ms anywhere in the run without moves "
+            f"({max(stalls, default=0) / base_gap:.2f}x); failed requests "
+            f"{len(faulty.failed)}; average throughput {-drop:+.1%}.")
     if faulty.failed:
         lines.append("First failures: " + "; ".join(faulty.failed[:3]))
     report.add("\n".join(lines))
