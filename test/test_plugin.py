@@ -57,6 +57,9 @@ def test_flags_parse(sglang_with_plugins, tiny_qwen3):
                   "--eaas-placement", str(tiny_qwen3 / "config.json"), "--eaas-poll-spin-us", "0")
     assert args._eaas == EaasConfig(RemoteServers(("10.0.0.1:7000", "node-b:7001")),
                                     tiny_qwen3 / "config.json", poll_spin_us=0)
+    dump = tiny_qwen3.parent / "load.jsonl"  # need not exist: its folder must be writable
+    assert _parse(tiny_qwen3, "--eaas", "--eaas-load-dump", str(dump), "--eaas-load-window",
+                  "4")._eaas == EaasConfig(load_dump=dump, load_window=4)
 
 
 @pytest.mark.parametrize(
@@ -88,6 +91,13 @@ def test_flags_parse(sglang_with_plugins, tiny_qwen3):
          "--eaas-wait-for-servers applies to a shared monitor"),
         (["--eaas-monitor", "h:1"], "--eaas-monitor only apply with --eaas"),
         (["--eaas-disable-overlap"], "--eaas-disable-overlap only apply with --eaas"),
+        (["--eaas", "--eaas-load-window", "0"], "expected a whole number of steps >= 1, got '0'"),
+        (["--eaas", "--eaas-load-window", "2.5"], "expected a whole number of steps >= 1"),
+        (["--eaas", "--eaas-load-dump", "/no/such/dir/load.jsonl"],
+         "cannot write to '/no/such/dir/load.jsonl': its folder '/no/such/dir' does not exist"),
+        (["--eaas", "--eaas-load-dump", "/tmp"], "cannot write to '/tmp': '/tmp' is a directory"),
+        (["--eaas-load-dump", "/tmp/load.jsonl", "--eaas-load-window", "3"],
+         "--eaas-load-dump, --eaas-load-window only apply with --eaas"),
         (["--eaas", "--eaas-disable-overlap", "--enable-two-batch-overlap"],
          "--eaas-disable-overlap turns off the two-batch overlap --enable-two-batch-overlap "
          "asks for: drop one of them"),

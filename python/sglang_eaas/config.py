@@ -11,6 +11,7 @@ instead of silently serving without it.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from sglang_eaas.protocol.slot import POLL_SPIN_US
 
 RESULT_TIMEOUT = 2.0  # seconds a server may take to answer one layer before it is dropped
 WAIT_FOR_SERVERS = 300.0  # seconds to wait at launch for every expert to have a live holder
+LOAD_WINDOW = 16  # steps per load window (client/load_recorder.py's DEFAULT_WINDOW_STEPS)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,26 @@ def existing_file(path: str) -> Path:
     return p
 
 
+def _steps(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps >= 1, got {value!r}")
+    return int(value)
+
+
+def writable_file(path: str) -> Path:
+    """A file that can be appended to (created if missing); refuses what cannot."""
+    p = Path(path)
+    folder = p.parent
+    why = (f"{path!r} is a directory" if p.is_dir() else
+           f"its folder {str(folder)!r} does not exist" if not folder.is_dir() else
+           f"{path!r} is not writable" if p.exists() and not os.access(p, os.W_OK) else
+           f"its folder {str(folder)!r} is not writable"
+           if not p.exists() and not os.access(folder, os.W_OK | os.X_OK) else None)
+    if why:
+        raise argparse.ArgumentTypeError(f"cannot write to {path!r}: {why}")
+    return p
+
+
 DEFAULT_LOCAL_SERVERS = 2  # --eaas without --eaas-expert-servers, placement or shared monitor
 
 
@@ -114,6 +136,8 @@ class EaasConfig:
     kernel: str | None = None  # local expert servers' --kernel; None: theirs (fast)
     shrink: bool = True  # False: local expert servers get --disable-shrink
     overlap: bool = True  # False (--eaas-disable-overlap): no two-batch overlap
+    load_dump: Path | None = None  # --eaas-load-dump: each rank's load windows, appended
+    load_window: int = LOAD_WINDOW  # steps per load window
 
     def __reduce__(self):
         return (_restore_in_worker, tuple(getattr(self, f.name) for f in fields(self)))
@@ -273,6 +297,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "the second pass over the experts' weights in (--enable-two-batch-overlap still turns "
         "it on). The outputs are the same.",
     )
+    group.add_argument(
+        "--eaas-load-dump",
+        type=writable_file,
+        default=None,
+        metavar="PATH",
+        help="Append every load window (tokens each rank routed to each expert of each MoE "
+        "layer over --eaas-load-window steps) to this JSON-lines file, one window per line "
+        "(sglang_eaas.balance.load.read_dump reads it); with --tp > 1 each rank writes its own "
+        "file, with '.rankN' inserted before the extension.",
+    )
+    group.add_argument(
+        "--eaas-load-window",
+        type=_steps,
+        default=None,
+        metavar="STEPS",
+        help=f"Scheduler steps per load window: the unit of the expert-load counts on /metrics, "
+        f"in --eaas-load-dump and in the heartbeat to the monitor (default: {LOAD_WINDOW}).",
+    )
 
 
 LOCAL_ONLY = ("--eaas-kernel and --eaas-disable-shrink apply to the local expert servers this "
@@ -292,7 +334,8 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
             for name in ("eaas_expert_servers", "eaas_placement", "eaas_token", "eaas_transport",
                          "eaas_poll_spin_us", "eaas_monitor", "eaas_heartbeat",
                          "eaas_loss_timeout", "eaas_result_timeout", "eaas_wait_for_servers",
-                         "eaas_kernel", "eaas_disable_shrink", "eaas_disable_overlap")
+                         "eaas_kernel", "eaas_disable_shrink", "eaas_disable_overlap",
+                         "eaas_load_dump", "eaas_load_window")
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -331,7 +374,8 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                       spin, monitor, heartbeat, loss,
                       args.eaas_result_timeout or RESULT_TIMEOUT,
                       args.eaas_wait_for_servers or WAIT_FOR_SERVERS, kernel, shrink,
-                      not args.eaas_disable_overlap)
+                      not args.eaas_disable_overlap, args.eaas_load_dump,
+                      args.eaas_load_window or LOAD_WINDOW)
 
 
 def current() -> EaasConfig | None:

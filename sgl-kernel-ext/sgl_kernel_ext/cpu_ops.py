@@ -163,7 +163,7 @@ def grouped_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert:
 
 def expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                flat_local: torch.Tensor, router_weights: torch.Tensor, shrink: bool = True,
-               isa: str = "auto") -> torch.Tensor:
+               isa: str = "auto", expert_load: torch.Tensor | None = None) -> torch.Tensor:
     """``out [T, H]`` in ``hidden``'s dtype: ``out[t] = sum_k router_weights[t, k] *
     expert_e(hidden[t])`` with ``e = flat_local[t * K + k]`` (a row of ``w13 [E, 2I, H]`` and
     ``w2 [E, H, I]``; -1: skipped), the sum over k in k order in float32 (products rounded to
@@ -171,8 +171,15 @@ def expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     One call does it all: the entries sorted by expert (stable), grouped (``shrink``: the active
     experts only, as ``group_shrink`` packs them; otherwise every expert, empty ones included),
     ``grouped_expert`` on the gathered rows, and the weighted sum. ``router_weights [T, K]``
-    are read as float32; ``isa`` as for ``grouped_expert``."""
-    return ops().expert_sum(hidden, w13, w2, flat_local, router_weights, shrink, isa)
+    are read as float32; ``isa`` as for ``grouped_expert``.
+
+    ``expert_load [2, E] int64`` (optional, CPU, contiguous), added to: row 0 the entries each
+    expert computed, row 1 its time in the grouped products in nanoseconds of thread time
+    (each thread reads a steady clock after its share of each active expert, per phase;
+    summed over threads, so with several threads a layer's total exceeds its wall time).
+    Experts with no entries get nothing. Without it no clock is read."""
+    return ops().expert_sum(hidden, w13, w2, flat_local, router_weights, shrink, isa,
+                            expert_load)
 
 
 if __name__ == "__main__":  # python -m sgl_kernel_ext.cpu_ops: build now (scripts/setup.sh)

@@ -83,6 +83,13 @@ def read_dump(path: str | Path) -> Iterator[LoadWindow]:
                 raise ValueError(f"{path}:{number}: not a load window: {exc}") from None
 
 
+def latest_windows(members: Iterable[Any]) -> dict[str, LoadWindow]:
+    """Each attention client's last window, by client id, from a monitor snapshot's members
+    (``Snapshot.clients()``): a client's heartbeat carries ``LoadWindow.to_message()`` as its
+    ``load`` (``{}`` before its first window, or where the monitor left it out)."""
+    return {m.id: LoadWindow.from_message(m.load) for m in members if m.load}
+
+
 def total(windows: Iterable[LoadWindow]) -> np.ndarray:
     """The ``[L, E]`` sum of ``windows`` (which must share layers and width)."""
     arrays = [w.array() for w in windows]

@@ -11,21 +11,27 @@ layer of a step reads one table. Failures are handled where they are seen:
 * an entry whose expert has no live holder cannot be computed: the token's row is recorded as
   failed (``end_step`` returns them, naming the layer and experts) and the rest of the batch
   goes on; SGLang ends the requests those rows belong to with an error (``client/steps.py``).
+
+Each layer call's expert ids are counted once, in ``dispatch`` (``load``, a ``LoadRecorder``:
+windows of steps to ``/metrics``, the dump file and the monitor's heartbeat).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from ibgda import TransportError
 from sglang_eaas import transports
+from sglang_eaas.balance.load import LoadWindow
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.client.handles import Chunk, Dispatched, Sent
+from sglang_eaas.client.load_recorder import DEFAULT_WINDOW_STEPS, LoadRecorder
 from sglang_eaas.client.device_step import DeviceFailure, DeviceStep, drives_devices
 from sglang_eaas.client.metrics import TierMetrics
 from sglang_eaas.client.tier import ClientTier, TierSettings, View
@@ -50,9 +56,12 @@ class EaasClient:
                  result_timeout: float = 2.0, transport: str = transports.AUTO,
                  poll_spin: float = POLL_SPIN_US * 1e-6, monitor: str = "",
                  heartbeat: float = HEARTBEAT, wait_for_experts: float = 30.0,
-                 metrics: TierMetrics | None = None, micro_batches: int = 1):
+                 metrics: TierMetrics | None = None, micro_batches: int = 1,
+                 load_window: int = DEFAULT_WINDOW_STEPS,
+                 load_sinks: Sequence[Callable[[LoadWindow], None]] = ()):
         """``micro_batches``: 2 to have two layers in flight at once (two-batch overlap:
-        ``dispatch(micro_batch=i)``), each on a slot of its own at every server."""
+        ``dispatch(micro_batch=i)``), each on a slot of its own at every server.
+        ``load_window``: steps per load window; ``load_sinks``: called with each one."""
         self.info, self.result_timeout, self.poll_spin = info, result_timeout, poll_spin
         self.micro_batches = micro_batches
         self.dispatched = [0] * micro_batches  # MoE layers sent, per micro-batch
@@ -69,6 +78,9 @@ class EaasClient:
         self._device_ok = True
         self._device_step: DeviceStep | None = None
         self._explicit_steps = False  # begin_step/end_step are called (SGLang's run_batch)
+        self.load = LoadRecorder(name, info.moe_layers, info.num_experts, load_window,
+                                 load_sinks)
+        self.tier.load = self.load.message  # the heartbeat's load: the last window
         self.view = self.tier.start()
         self._install(self.view)
         self.tier.on_view = self._offer
@@ -147,6 +159,7 @@ class EaasClient:
     def begin_step(self, explicit: bool = True) -> None:
         """A step starts: adopt a staged view; forget the last step's failures."""
         self._explicit_steps |= explicit
+        self.load.begin_step()
         with self._lock:
             self.in_step = True
             self._failed = {}
@@ -158,11 +171,13 @@ class EaasClient:
         """The step is over: the token rows that could not be computed, and why; a view
         staged meanwhile is adopted now."""
         with self._lock:
-            self.in_step = False
+            ended, self.in_step = self.in_step, False
             staged, self._staged = self._staged, None
             if staged is not None and staged.epoch > self.view.epoch:
                 self._install(staged)
             failed, self._failed = self._failed, {}
+        if ended:
+            self.load.end_step()
         return failed
 
     def _view_for(self, layer_id: int) -> View:
@@ -203,9 +218,12 @@ class EaasClient:
         self.metrics.dispatched(micro_batch)
         if self._device_step is None:  # the device path exchanges whole in combine
             handle.ids, handle.out = topk_ids.cpu().numpy(), torch.zeros_like(hidden)
+            self.load.count(layer_id, handle.ids)
             handle.step = self.max_tokens
             if hidden.shape[0]:
                 self._start_chunk(handle, 0)
+        else:
+            self.load.count(layer_id, topk_ids)
         return handle
 
     def combine(self, handle: Dispatched) -> torch.Tensor:
@@ -366,4 +384,5 @@ class EaasClient:
                     return self.combine(h)
 
     def close(self) -> None:
+        self.load.close_window()  # the steps since the last window
         self.tier.close()

@@ -12,6 +12,14 @@ server's ``/metrics`` with SGLang's own. One set per attention rank (label ``ran
     sglang_eaas_table_epoch                     the routing table in use
     sglang_eaas_table_servers                   expert servers in it
     sglang_eaas_missing_experts                 (MoE layer, expert) pairs with no live holder
+    sglang_eaas_expert_tokens_total{layer, expert}  top-k entries this rank routed to each
+                                                expert, added per closed load window
+                                                (client/load_recorder.py)
+    sglang_eaas_expert_load_imbalance{layer}    the last window's max/mean entries per expert
+                                                (1: even; layers with no entries keep theirs)
+
+The load-window metrics are updated on the load sinks' thread (client/load_sinks.py), never
+on the scheduler's.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from sglang_eaas.balance.load import LoadWindow
     from sglang_eaas.client.tier import View
 
 
@@ -41,6 +50,9 @@ class TierMetrics:
         pass
 
     def view(self, view: "View") -> None:
+        pass
+
+    def load_window(self, window: "LoadWindow") -> None:
         pass
 
 
@@ -70,7 +82,14 @@ class PrometheusTierMetrics(TierMetrics):
                               "table in use", **gauge).labels(**labels)
         self._missing = Gauge("sglang_eaas_missing_experts", "(MoE layer, expert) pairs with no "
                               "live expert server", **gauge).labels(**labels)
+        self._expert_tokens = Counter("sglang_eaas_expert_tokens", "Top-k entries this rank "
+                                      "routed to each expert of each MoE layer",
+                                      ["rank", "layer", "expert"])
+        self._imbalance = Gauge("sglang_eaas_expert_load_imbalance", "The last load window's "
+                                "max/mean entries per expert, per MoE layer",
+                                labelnames=["rank", "layer"], multiprocess_mode="livemostrecent")
         self._by_server: dict[str, tuple] = {}
+        self._by_expert: dict[tuple[int, int], object] = {}
 
     def _of(self, server: str) -> tuple:
         found = self._by_server.get(server)
@@ -99,3 +118,17 @@ class PrometheusTierMetrics(TierMetrics):
         self._epoch.set(view.epoch)
         self._servers.set(len(view.table.servers))
         self._missing.set(sum(len(e) for e in view.table.missing.values()))
+
+    def load_window(self, window: "LoadWindow") -> None:
+        counts = window.array()
+        for row, layer in enumerate(window.layers):
+            line = counts[row]
+            for expert in line.nonzero()[0].tolist():
+                child = self._by_expert.get((layer, expert))
+                if child is None:
+                    child = self._by_expert[(layer, expert)] = self._expert_tokens.labels(
+                        rank=self._rank, layer=str(layer), expert=str(expert))
+                child.inc(int(line[expert]))
+            if line.any():
+                self._imbalance.labels(rank=self._rank, layer=str(layer)).set(
+                    float(line.max() / line.mean()))

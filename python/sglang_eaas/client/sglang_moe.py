@@ -19,6 +19,7 @@ import torch
 from sglang_eaas import config as eaas_config
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
+from sglang_eaas.client.load_sinks import DumpFile, Publisher, rank_path
 from sglang_eaas.client.metrics import PrometheusTierMetrics, TierMetrics
 from sglang_eaas.model_info import MoeModelInfo, is_routed_expert_tensor
 from sglang_eaas.placement import load_placement_file
@@ -39,15 +40,18 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
         expected = load_placement_file(cfg.placement) if cfg.placement else None
         name = f"{socket.gethostname()}:{os.getpid()}"
         info = MoeModelInfo.from_model_path(server_args.model_path)
+        metrics = _metrics(server_args)
+        sinks = _load_sinks(cfg, metrics)
         _client = EaasClient(list(cfg.expert_servers.addresses), info,
                              ModelIdentity.of(server_args.model_path, info), dtype, name,
                              expected_experts=expected, transport=cfg.transport,
                              poll_spin=(POLL_SPIN_US if cfg.poll_spin_us is None
                                         else cfg.poll_spin_us) * 1e-6, monitor=cfg.monitor,
                              heartbeat=cfg.heartbeat, result_timeout=cfg.result_timeout,
-                             metrics=_metrics(server_args),
-                             micro_batches=2 if overlapped(server_args) else 1)
-        atexit.register(_client.close)
+                             metrics=metrics,
+                             micro_batches=2 if overlapped(server_args) else 1,
+                             load_window=cfg.load_window, load_sinks=sinks)
+        atexit.register(_client.close)  # atexit runs it first: its last window, then the sinks
         logger.info("sglang-eaas: %s joined expert servers %s over %s%s (monitor %s, routing "
                     "table epoch %d)", name, ", ".join(c.address for c in _client.connections),
                     ", ".join(sorted({c.region.handle.backend for c in _client.connections})),
@@ -69,6 +73,26 @@ def _metrics(server_args: Any) -> TierMetrics:
     from sglang.srt.distributed import get_tp_group
 
     return PrometheusTierMetrics(get_tp_group().rank_in_group)
+
+
+def _load_sinks(cfg: eaas_config.EaasConfig, metrics: TierMetrics) -> list[Publisher]:
+    """Where the client's load windows go, off the scheduler's thread: ``/metrics`` (with
+    ``--enable-metrics``) and this rank's ``--eaas-load-dump`` file."""
+    sinks = []
+    if isinstance(metrics, PrometheusTierMetrics):
+        sinks.append(metrics.load_window)
+    if cfg.load_dump is not None:
+        from sglang.srt.distributed import get_tp_group
+
+        group = get_tp_group()
+        path = rank_path(cfg.load_dump, group.rank_in_group, group.world_size)
+        sinks.append(DumpFile(path))
+        logger.info("sglang-eaas: load windows of %d steps go to %s", cfg.load_window, path)
+    if not sinks:
+        return []
+    publisher = Publisher(sinks)
+    atexit.register(publisher.close)
+    return [publisher]
 
 
 def current_client() -> EaasClient | None:

@@ -103,6 +103,7 @@ class ClientTier:
         self.stats: collections.Counter[str] = collections.Counter()
         # The data path's way to take a new view (it ignores one older than what it has).
         self.on_view: Callable[[View], None] = lambda view: None
+        self.load: Callable[[], dict] = dict  # what the heartbeat carries (the last window)
         self.backend = self.presence = None
         self._revision = -1
         self._stop = threading.Event()
@@ -124,7 +125,8 @@ class ClientTier:
                 self.backend = connect(s.monitor, self._token())
                 member = Member(CLIENT, self.client_id, socket.gethostname(), os.getpid())
                 self.presence = Presence(connect(s.monitor, self._token()), member,
-                                         s.heartbeat, on_lost=self._on_evicted).start()
+                                         s.heartbeat, load=lambda: self.load(),
+                                         on_lost=self._on_evicted).start()
                 snapshot = self.backend.watch(-1, 0.0)
                 self._joined_as = self.presence.incarnation
             for address in s.addresses:  # each must answer now, as at any launch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import os
@@ -18,6 +19,7 @@ from sgl_kernel_ext import cpu_ops
 from sglang_eaas import transports
 from sglang_eaas.expert_server.compute import local_experts, weighted_expert_sum
 from sglang_eaas.expert_server.control import control_endpoint
+from sglang_eaas.expert_server.expert_load import ExpertLoad
 from sglang_eaas.expert_server.replicas import Replicas
 from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
@@ -221,13 +223,20 @@ class ExpertServer:
                 "experts": self.experts, "layer_experts": self.layer_experts_message(),
                 "num_experts": self.info.num_experts,
                 "clients": self.client_count(), "slots": len(self._active),
+                "expert_load": self.expert_load.message(),
                 **self.control.counters(),
                 **({} if self.tier is None else self.tier.counters())}
 
-    def load(self) -> dict[str, int]:
-        """What the heartbeat tells the monitor (``status`` shows it)."""
+    def load(self) -> dict[str, Any]:
+        """What the heartbeat tells the monitor (``status`` shows it); ``expert_load``: per
+        MoE layer [tokens, ns, busiest expert, its ns] (``ExpertLoad.summary``)."""
         return {"requests": self.stats["requests"], "tokens": self.stats["tokens"],
-                "clients": self.client_count()}
+                "clients": self.client_count(), "expert_load": self.expert_load.summary()}
+
+    @functools.cached_property
+    def expert_load(self) -> ExpertLoad:
+        """Tokens and compute time per (MoE layer, expert) since the start."""
+        return ExpertLoad(self.info.moe_layers, self.info.num_experts)
 
     def client_count(self) -> int:
         """Clients using this server now (one control connection each, holding 1-2 slots)."""
@@ -324,12 +333,13 @@ class ExpertServer:
             by_layer[r.header.layer_id].append(r)
         for layer_id, requests in by_layer.items():
             try:
+                layer = self.layers[layer_id]
                 out = weighted_expert_sum(
-                    self.layers[layer_id],
-                    _cat([r.hidden.to(self.dtype) for r in requests]),
+                    layer, _cat([r.hidden.to(self.dtype) for r in requests]),
                     _cat([r.local_experts for r in requests]),
                     _cat([r.router_weights for r in requests]),
                     kernel=self.config.kernel, shrink=self.config.shrink,
+                    expert_load=self.expert_load.of(layer_id, layer),
                 )
             except Exception:  # a bug must cost these requests, not the server
                 logger.exception("computing layer %d failed", layer_id)

@@ -10,6 +10,7 @@ that no server at that address holds.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -20,9 +21,9 @@ from ibgda import TransportError
 from sglang_eaas.endpoint import LineEndpoint
 from sglang_eaas.monitor.registry import Registry
 from sglang_eaas.protocol import control
-from sglang_eaas.protocol.lines import ControlError
+from sglang_eaas.protocol.lines import MAX_LINE, ControlError
 from sglang_eaas.protocol.monitor import (
-    OPS, SERVER, Heartbeat, Leave, Member, Register, Report, SetHoldings, SetStatus, Watch,
+    CLIENT, OPS, SERVER, Heartbeat, Leave, Member, Register, Report, SetHoldings, SetStatus, Watch,
 )
 
 logger = logging.getLogger(__name__)
@@ -131,11 +132,27 @@ class _Session:
         if op == "watch":
             watch = Watch.from_message(message)
             snapshot = registry.wait(watch.after, min(max(watch.timeout, 0.0), MAX_WATCH))
-            return {"snapshot": snapshot.to_message()}
+            return {"snapshot": self._within_line(snapshot.to_message())}
         if op == "report":
             report = Report.from_message(message)
             return {"evicted": registry.report(report.server, report.incarnation, report.why)}
         return {"stats": self.monitor.stats()}
+
+    def _within_line(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+        """``snapshot``, without the clients' loads (their load windows: tens of KB each for
+        a large model) if all of it would not fit in one reply line: watchers follow the
+        membership, which must always reach them."""
+        if len(json.dumps(snapshot)) < MAX_LINE - 1024:
+            return snapshot
+        for member in snapshot["members"]:
+            if member["kind"] == CLIENT:
+                member["load"] = {}
+        self.registry.counters["client_loads_omitted"] += 1
+        if self.registry.counters["client_loads_omitted"] == 1:
+            logger.warning("a snapshot of %d members is over %d bytes with the clients' load "
+                           "windows: watchers get it without them", len(snapshot["members"]),
+                           MAX_LINE)
+        return snapshot
 
     def close(self) -> None:
         self.registry.session_closed(self)

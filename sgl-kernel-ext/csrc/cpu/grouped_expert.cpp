@@ -26,6 +26,14 @@
 // chosen at run time (__builtin_cpu_supports); elsewhere a portable scalar loop computes the
 // same sums. Each output element's sum runs in the same order whatever the batch, the group's
 // size or the thread count, so a row's result never depends on its company.
+//
+// expert_sum can also record each expert's load (its optional expert_load [2, E] int64, added
+// to): row 0 the entries it computed (from the counting sort), row 1 its time in nanoseconds:
+// in each phase each thread reads a steady clock after its share of each active group and
+// adds the time since its previous read to that group's expert, so an expert's time is the
+// thread time spent on its gate/up and down products (summed over threads; sorting, gathering
+// and the weighted sum are not per expert and are not in it). Without expert_load no clock is
+// read.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -35,9 +43,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -518,6 +528,21 @@ void silu_mul_scalar(const float* gate, const float* up, X* h, int64_t n) {
   for (int64_t j = 0; j < n; ++j) store(h + j, silu(gate[j]) * up[j]);
 }
 
+// Each thread's time on each group, added to ns[group] (nullptr: no clock is read). One
+// read per group: the time since the previous mark goes to the group just done.
+struct GroupClock {
+  int64_t* ns;
+  using Time = std::chrono::steady_clock::time_point;
+  Time mark() const { return ns ? std::chrono::steady_clock::now() : Time{}; }
+  Time done(int64_t group, Time since) const {
+    if (!ns) return since;
+    const Time now = std::chrono::steady_clock::now();
+    const auto spent = std::chrono::duration_cast<std::chrono::nanoseconds>(now - since);
+    __atomic_fetch_add(ns + group, static_cast<int64_t>(spent.count()), __ATOMIC_RELAXED);
+    return now;
+  }
+};
+
 // [begin, end) of `blocks` for thread `t` of `threads`: contiguous, sizes differing by <= 1.
 inline std::pair<int64_t, int64_t> share(int64_t blocks, int64_t t, int64_t threads) {
   return {blocks * t / threads, blocks * (t + 1) / threads};
@@ -530,10 +555,11 @@ inline std::pair<int64_t, int64_t> share(int64_t blocks, int64_t t, int64_t thre
 // groups' sizes. A group's rows go through a block in tiles of at most kTile rows (a group of
 // 9..16 rows in two tiles of 4..8), the block staying in cache from one tile to the next. The
 // groups listed are walked, empty ones included (they do nothing).
-// X: the element type of x and h (float, or bfloat16 for Avx512Bf16Ops).
+// X: the element type of x and h (float, or bfloat16 for Avx512Bf16Ops). clock: each
+// thread's time per group (GroupClock).
 template <typename Ops, typename W, typename X>
 void run_groups(const X* x, const W* w13, const W* w2, const GroupList& g, int64_t hidden,
-                int64_t inter, X* h, float* out) {
+                int64_t inter, X* h, float* out, GroupClock clock) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   auto tiles = [](int64_t count, auto&& fn) {  // fn(r0, n): count rows in balanced tiles
     const int64_t n_tiles = (count + Ops::kRows - 1) / Ops::kRows;
@@ -549,9 +575,10 @@ void run_groups(const X* x, const W* w13, const W* w2, const GroupList& g, int64
     float up[Ops::kRows * kGateUpBlock];
     for (int64_t t = t_begin; t < t_end; ++t) {
       const auto [b_begin, b_end] = share(up_blocks, t, threads);
+      auto since = clock.mark();
       for (int64_t grp = 0; grp < g.groups; ++grp) {
         const int64_t count = g.count[grp];
-        if (count == 0) continue;
+        if (count == 0 || b_begin == b_end) continue;
         const W* w = w13 + g.expert[grp] * 2 * inter * hidden;
         for (int64_t b = b_begin; b < b_end; ++b) {
           const int64_t j0 = b * kGateUpBlock;
@@ -567,6 +594,7 @@ void run_groups(const X* x, const W* w13, const W* w2, const GroupList& g, int64
                             h + (row + r) * inter + j0, rows);
           });
         }
+        since = clock.done(grp, since);
       }
     }
   });
@@ -578,9 +606,10 @@ void run_groups(const X* x, const W* w13, const W* w2, const GroupList& g, int64
     float sums[Ops::kRows * kDownBlock];
     for (int64_t t = t_begin; t < t_end; ++t) {
       const auto [b_begin, b_end] = share(down_blocks, t, threads);
+      auto since = clock.mark();
       for (int64_t grp = 0; grp < g.groups; ++grp) {
         const int64_t count = g.count[grp];
-        if (count == 0) continue;
+        if (count == 0 || b_begin == b_end) continue;
         const W* w = w2 + g.expert[grp] * hidden * inter;
         for (int64_t b = b_begin; b < b_end; ++b) {
           const int64_t c0 = b * kDownBlock;
@@ -594,6 +623,7 @@ void run_groups(const X* x, const W* w13, const W* w2, const GroupList& g, int64
                           rows * sizeof(float));
           });
         }
+        since = clock.done(grp, since);
       }
     }
   });
@@ -601,36 +631,40 @@ void run_groups(const X* x, const W* w13, const W* w2, const GroupList& g, int64
 
 template <typename W>
 void run_float_x(const std::string& isa, const at::Tensor& x, const W* w13, const W* w2,
-                 const GroupList& g, int64_t hidden, int64_t inter, float* out) {
+                 const GroupList& g, int64_t hidden, int64_t inter, float* out,
+                 GroupClock clock) {
   at::Tensor h = at::empty({x.size(0), inter}, x.options().dtype(at::kFloat));
   const float* xp = x.data_ptr<float>();
   float* hp = h.data_ptr<float>();
 #ifdef EAAS_X86
-  if (isa == "avx512") return run_groups<Avx512Ops>(xp, w13, w2, g, hidden, inter, hp, out);
-  if (isa == "avx2") return run_groups<Avx2Ops>(xp, w13, w2, g, hidden, inter, hp, out);
+  if (isa == "avx512")
+    return run_groups<Avx512Ops>(xp, w13, w2, g, hidden, inter, hp, out, clock);
+  if (isa == "avx2") return run_groups<Avx2Ops>(xp, w13, w2, g, hidden, inter, hp, out, clock);
 #endif
-  run_groups<ScalarOps>(xp, w13, w2, g, hidden, inter, hp, out);
+  run_groups<ScalarOps>(xp, w13, w2, g, hidden, inter, hp, out, clock);
 }
 
 template <typename W>
 void run(const std::string& isa, const at::Tensor& x_in, const W* w13, const W* w2,
-         const GroupList& g, int64_t hidden, int64_t inter, float* out) {
+         const GroupList& g, int64_t hidden, int64_t inter, float* out, GroupClock clock) {
 #ifdef EAAS_X86
   if constexpr (std::is_same_v<W, c10::BFloat16>) {
     if (isa == "avx512bf16") {
       const at::Tensor x = x_in.to(at::kBFloat16).contiguous();
       at::Tensor h = at::empty({x.size(0), inter}, x.options());
       return run_groups<Avx512Bf16Ops>(x.data_ptr<c10::BFloat16>(), w13, w2, g, hidden, inter,
-                                       h.data_ptr<c10::BFloat16>(), out);
+                                       h.data_ptr<c10::BFloat16>(), out, clock);
     }
   }
 #endif
-  run_float_x(isa, x_in.to(at::kFloat).contiguous(), w13, w2, g, hidden, inter, out);
+  run_float_x(isa, x_in.to(at::kFloat).contiguous(), w13, w2, g, hidden, inter, out, clock);
 }
 
-at::Tensor grouped_expert(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
-                          const at::Tensor& expert_in, const at::Tensor& offset_in,
-                          const at::Tensor& count_in, int64_t groups, c10::string_view isa_in) {
+// grouped_expert, adding each thread's time on group g to group_ns[g] (nullptr: untimed).
+at::Tensor grouped_expert_timed(const at::Tensor& x_in, const at::Tensor& w13,
+                                const at::Tensor& w2, const at::Tensor& expert_in,
+                                const at::Tensor& offset_in, const at::Tensor& count_in,
+                                int64_t groups, c10::string_view isa_in, int64_t* group_ns) {
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3, "w13 and w2 must be 3-d [E, 2I, H], [E, H, I]");
   const int64_t num_experts = w13.size(0), inter = w13.size(1) / 2, hidden = w13.size(2);
   TORCH_CHECK(w13.size(1) == 2 * inter && w2.size(0) == num_experts && w2.size(1) == hidden &&
@@ -671,20 +705,29 @@ at::Tensor grouped_expert(const at::Tensor& x_in, const at::Tensor& w13, const a
   float* op = out.data_ptr<float>();
   switch (w13.scalar_type()) {
     case at::kFloat:
-      run(isa, x_in, w13.data_ptr<float>(), w2.data_ptr<float>(), g, hidden, inter, op);
+      run(isa, x_in, w13.data_ptr<float>(), w2.data_ptr<float>(), g, hidden, inter, op,
+          GroupClock{group_ns});
       break;
     case at::kBFloat16:
       run(isa, x_in, w13.data_ptr<c10::BFloat16>(), w2.data_ptr<c10::BFloat16>(), g, hidden,
-          inter, op);
+          inter, op, GroupClock{group_ns});
       break;
     case at::kHalf:
-      run(isa, x_in, w13.data_ptr<c10::Half>(), w2.data_ptr<c10::Half>(), g, hidden, inter, op);
+      run(isa, x_in, w13.data_ptr<c10::Half>(), w2.data_ptr<c10::Half>(), g, hidden, inter, op,
+          GroupClock{group_ns});
       break;
     default:
       TORCH_CHECK(false, "weights must be float32, bfloat16 or float16, got ",
                   w13.scalar_type());
   }
   return out;
+}
+
+at::Tensor grouped_expert(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
+                          const at::Tensor& expert_in, const at::Tensor& offset_in,
+                          const at::Tensor& count_in, int64_t groups, c10::string_view isa_in) {
+  return grouped_expert_timed(x_in, w13, w2, expert_in, offset_in, count_in, groups, isa_in,
+                              nullptr);
 }
 
 // acc[c] += w * r[c] for c < n: the product rounded to float32, then added (-ffp-contract=off
@@ -738,10 +781,12 @@ inline void store_row(T* out, const float* acc, int64_t n, bool avx512) {
 // flat_local[t * K + k] (-1: not held here, skipped), in float32, then in hidden's dtype: the
 // entries sorted by expert (stable: a counting sort), the groups (the active experts, or with
 // shrink off every expert, empty ones included), grouped_expert on the gathered rows, and the
-// weighted sum of each token's rows.
+// weighted sum of each token's rows. expert_load ([2, E] int64, optional): each expert's
+// entries are added to row 0, its thread time in the grouped products to row 1 (GroupClock).
 at::Tensor expert_sum(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
                       const at::Tensor& flat_local_in, const at::Tensor& router_weights_in,
-                      bool shrink, c10::string_view isa) {
+                      bool shrink, c10::string_view isa,
+                      const std::optional<at::Tensor>& expert_load) {
   TORCH_CHECK(hidden.dim() == 2 && router_weights_in.dim() == 2 &&
                   router_weights_in.size(0) == hidden.size(0),
               "hidden must be [T, H] and router_weights [T, K], got ", hidden.sizes(), " and ",
@@ -754,6 +799,12 @@ at::Tensor expert_sum(const at::Tensor& hidden, const at::Tensor& w13, const at:
   TORCH_CHECK(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16 ||
                   hidden.scalar_type() == at::kHalf,
               "hidden must be float32, bfloat16 or float16, got ", hidden.scalar_type());
+  const bool timed = expert_load.has_value();
+  TORCH_CHECK(!timed || (expert_load->scalar_type() == at::kLong &&
+                         expert_load->is_contiguous() && expert_load->device().is_cpu() &&
+                         expert_load->dim() == 2 && expert_load->size(0) == 2 &&
+                         expert_load->size(1) == num_experts),
+              "expert_load must be a contiguous int64 CPU tensor [2, ", num_experts, "]");
   const at::Tensor flat_local = flat_local_in.to(at::kLong).contiguous();
   const at::Tensor router_weights = router_weights_in.to(at::kFloat).contiguous();
   const int64_t* local = flat_local.data_ptr<int64_t>();
@@ -788,8 +839,20 @@ at::Tensor expert_sum(const at::Tensor& hidden, const at::Tensor& w13, const at:
   }
   at::Tensor result = at::empty({tokens, width}, hidden.options());
   if (rows == 0) return result.zero_();
-  const at::Tensor out_rows = grouped_expert(hidden.index_select(0, token), w13, w2, expert,
-                                             offset, count, groups, isa);
+  std::vector<int64_t> group_ns(timed ? groups : 0, 0);
+  const at::Tensor out_rows =
+      grouped_expert_timed(hidden.index_select(0, token), w13, w2, expert, offset, count, groups,
+                           isa, timed ? group_ns.data() : nullptr);
+  if (timed) {
+    int64_t* entries = expert_load->data_ptr<int64_t>();
+    int64_t* ns = entries + num_experts;
+    const int64_t* of = expert.data_ptr<int64_t>();
+    const int64_t* n = count.data_ptr<int64_t>();
+    for (int64_t grp = 0; grp < groups; ++grp) {
+      entries[of[grp]] += n[grp];
+      ns[of[grp]] += group_ns[grp];
+    }
+  }
   const float* rp = out_rows.data_ptr<float>();
   const float* wp = router_weights.data_ptr<float>();
   const bool avx512 = supported("avx512");
@@ -820,7 +883,8 @@ TORCH_LIBRARY(sgl_kernel_ext_cpu, m) {
       "Tensor count, int groups, str isa=\"auto\") -> Tensor");
   m.def(
       "expert_sum(Tensor hidden, Tensor w13, Tensor w2, Tensor flat_local, "
-      "Tensor router_weights, bool shrink=True, str isa=\"auto\") -> Tensor");
+      "Tensor router_weights, bool shrink=True, str isa=\"auto\", "
+      "Tensor(a!)? expert_load=None) -> Tensor");
   m.def("cpu_isas() -> str[]", &cpu_isas);
 }
 

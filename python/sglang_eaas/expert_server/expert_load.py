@@ -1,0 +1,78 @@
+"""``ExpertLoad``: what an expert server computed for each (MoE layer, expert) since it started:
+tokens (top-k entries routed to the expert) and compute time in nanoseconds.
+
+The kernel adds each layer call's entries and times straight into a ``[2, E_local]`` tensor of
+the layer's current experts (``of``: ``compute.weighted_expert_sum``'s ``expert_load``), so
+recording costs the serving loop no Python work per call. When the layer's experts change
+(added or dropped while serving) that tensor is folded into totals by global expert id and a
+new one begins. ``stats`` shows the totals per expert (``message``), the heartbeat per layer
+(``summary``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Iterable, NamedTuple
+
+import numpy as np
+import torch
+
+from sglang_eaas.expert_server.experts import LayerExperts, held
+
+
+class _Current(NamedTuple):
+    layer: weakref.ref  # the LayerExperts counted (weak: a dropped layer's weights go)
+    ids: np.ndarray  # its rows' global expert ids
+    load: torch.Tensor  # [2, E_local] int64: entries, ns
+
+
+class ExpertLoad:
+    def __init__(self, moe_layers: Iterable[int], num_experts: int):
+        self.num_experts = num_experts
+        self._lock = threading.Lock()  # a fold against a read: nothing counted twice
+        self._folded = {layer: np.zeros((2, num_experts), dtype=np.int64)
+                        for layer in moe_layers}
+        self._current: dict[int, _Current] = {}
+
+    def of(self, layer_id: int, layer: LayerExperts) -> torch.Tensor:
+        """The ``[2, E_local]`` int64 tensor ``layer``'s calls add their load to (the serving
+        loop's thread)."""
+        current = self._current.get(layer_id)
+        if current is not None and current.layer() is layer:
+            return current.load
+        fresh = _Current(weakref.ref(layer), np.asarray(held(layer), dtype=np.int64),
+                         torch.zeros(2, layer.w13.shape[0], dtype=torch.int64))
+        with self._lock:
+            if current is not None:
+                self._folded[layer_id][:, current.ids] += current.load.numpy()
+            self._current[layer_id] = fresh
+        return fresh.load
+
+    def _totals(self) -> dict[int, np.ndarray]:
+        """``{layer: [2, num_experts]}`` (entries, ns) by global expert id, now."""
+        with self._lock:
+            totals = {layer: folded.copy() for layer, folded in self._folded.items()}
+            for layer, current in self._current.items():
+                totals[layer][:, current.ids] += current.load.numpy()
+        return totals
+
+    def message(self) -> dict[str, dict[str, list[int]]]:
+        """``{layer: {expert: [tokens, ns]}}`` (as strings: JSON keys), experts with any."""
+        out = {}
+        for layer, totals in self._totals().items():
+            experts = np.flatnonzero(totals.any(axis=0)).tolist()
+            if experts:
+                out[str(layer)] = {str(e): totals[:, e].tolist() for e in experts}
+        return out
+
+    def summary(self) -> dict[str, list[int]]:
+        """``{layer: [tokens, ns, busiest expert, its ns]}`` (busiest: the most ns), layers
+        with any."""
+        out = {}
+        for layer, totals in self._totals().items():
+            if totals[0].any():
+                busiest = int(totals[1].argmax())
+                out[str(layer)] = [int(totals[0].sum()), int(totals[1].sum()), busiest,
+                                   int(totals[1, busiest])]
+        return out
