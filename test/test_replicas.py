@@ -4,6 +4,9 @@ sum is checked against transformers' experts."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -212,3 +215,46 @@ def test_a_client_that_never_learns_of_a_drop(servers, client_of, info, hf_exper
     out, failed = _step(client, layer, x, ids, w)
     assert_matches_hf(out, hf_experts, layer, x, ids, w)
     assert not failed and servers[2].address not in client.table.servers
+
+
+def test_the_balancer_replicates_a_hot_expert(servers, client_of, monitor, info, hf_experts):
+    """Every token of MoE layer 0 needs experts 2 and 3, which only server 0 holds: the
+    client's load windows reach the monitor with its heartbeats; ``tools.rebalance`` reads
+    them, gives 2 and 3 replicas on other servers (from server 0's copy) and frees room for
+    them; the client's next steps spread those tokens, and every sum stays right."""
+    client = client_of(servers, "balanced", monitor.address)
+    hot = [2, 3]
+    batches = {layer: _batch(info, 24, seed=20 + layer, experts=hot if layer == 0 else
+                             list(range(info.num_experts))) for layer in info.moe_layers}
+
+    def step():
+        client.begin_step()
+        try:
+            for layer, (x, ids, w) in batches.items():
+                assert_matches_hf(client.forward(layer, x, ids, w), hf_experts, layer, x, ids, w)
+        finally:
+            assert not client.end_step()
+
+    for _ in range(3 * client.load.window_steps):
+        step()
+    _until(lambda: any(m.load for m in monitor.registry.snapshot().clients()), 10,
+           "a load window at the monitor")
+    env = {**os.environ, "SGLANG_EAAS_TOKEN": TOKEN}
+    run = subprocess.run([sys.executable, "-m", "sglang_eaas.tools.rebalance", "--monitor",
+                          monitor.address, "--slots", "6", "--grace", "0.5"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    found = re.search(r"MoE layer 0: busiest server ([\d.]+)x the mean -> ([\d.]+)x",
+                      run.stdout)
+    assert found, run.stdout
+    before, after = map(float, found.groups())
+    assert before == pytest.approx(3.0) and after <= 1.5, run.stdout  # all on 1 of 3 servers
+    holders = {e: [m.id for m in monitor.registry.snapshot().servers()
+                   if e in m.holdings().get(0, ())] for e in hot}
+    assert all(len(h) >= 2 for h in holders.values()), holders
+    _until(lambda: all(e in client.table.placement[s][0] for e in hot for s in holders[e]),
+           10, "the client's table with the replicas", step=step)
+    served = [_tokens(s) for s in servers]
+    step()
+    added = [_tokens(s) - b for s, b in zip(servers, served)]
+    assert sum(a > 0 for a in added) >= 2, added  # layer 0's tokens no longer on one server

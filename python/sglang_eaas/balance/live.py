@@ -1,0 +1,102 @@
+"""The live balancer's one pass: the clients' load windows from the monitor, a placement from
+the scaler and placer (or SGLang's EPLB), and the moves to get there.
+
+Every attention client sends its last closed ``LoadWindow`` with its heartbeats
+(``Member.load``); ``LoadHistory`` keeps each client's latest windows (a window is counted once,
+by ``(source, first_step)``), and their sum is the load a placement is made for.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from sglang_eaas.balance.eplb import eplb_placement
+from sglang_eaas.balance.evaluate import layer_load
+from sglang_eaas.balance.load import LoadWindow
+from sglang_eaas.balance.placer import Move, balance_model, moves
+from sglang_eaas.protocol.lines import ControlError
+from sglang_eaas.protocol.monitor import SERVING, Snapshot
+
+POLICIES = ("moeless", "eplb")
+
+
+class LoadHistory:
+    """The last ``keep`` windows of each client, summed on demand."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._windows: dict[str, collections.deque[LoadWindow]] = {}
+
+    def take(self, snapshot: Snapshot) -> int:
+        """Add the windows the snapshot's clients carry that are new; how many were."""
+        new = 0
+        for member in snapshot.clients():
+            if not member.load:
+                continue
+            try:
+                window = LoadWindow.from_message(member.load)
+            except (ControlError, TypeError):
+                continue  # a client without load recording (an older version, or none yet)
+            seen = self._windows.setdefault(window.source, collections.deque(maxlen=self.keep))
+            if not any(w.first_step == window.first_step for w in seen):
+                seen.append(window)
+                new += 1
+        return new
+
+    def total(self, layers: Sequence[int], num_experts: int) -> np.ndarray:
+        """``[len(layers), num_experts]`` tokens over every kept window (zeros where none)."""
+        out = np.zeros((len(layers), num_experts), dtype=np.int64)
+        row = {layer: i for i, layer in enumerate(layers)}
+        for windows in self._windows.values():
+            for w in windows:
+                counts = w.array()
+                for i, layer in enumerate(w.layers):
+                    if layer in row and counts.shape[1] == num_experts:
+                        out[row[layer]] += counts[i]
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One pass's decision: the current and target placements, the moves between them, and
+    each layer's busiest-server load over the mean before and after (under ``load``)."""
+
+    current: dict
+    target: dict
+    moves: list[Move]
+    load: np.ndarray  # [L, E]
+    layers: tuple[int, ...]
+    before: tuple[float, ...]
+    after: tuple[float, ...]
+
+
+def tier_placement(snapshot: Snapshot) -> tuple[dict, int]:
+    """The serving servers' placement and the model's experts per layer; ``ValueError`` if
+    the tier serves several models (balance one at a time) or none."""
+    servers = [m for m in snapshot.servers() if m.status == SERVING]
+    models = {(m.fingerprint, m.num_experts) for m in servers}
+    if len(models) != 1:
+        raise ValueError(f"the tier must serve one model to balance, it serves {len(models)}")
+    return {m.id: m.holdings() for m in servers}, models.pop()[1]
+
+
+def plan(snapshot: Snapshot, load: np.ndarray, layers: Sequence[int], slots: int,
+         policy: str = "moeless", **options) -> Plan:
+    """The placement for ``load`` on the tier's serving servers, warm from the current one."""
+    current, _ = tier_placement(snapshot)
+    servers = sorted(current)
+    if policy == "eplb":
+        target = eplb_placement(load, layers, servers, slots).placement
+    else:
+        target = balance_model(load, layers, servers, slots, previous=current, **options)
+
+    def ratios(placement: dict) -> tuple[float, ...]:
+        return tuple(layer_load({s: placement[s].get(layer, ()) for s in servers},
+                                load[i]).max_over_mean for i, layer in enumerate(layers))
+
+    return Plan(current, target, moves(current, target), load, tuple(layers), ratios(current),
+                ratios(target))
