@@ -16,9 +16,8 @@ import numpy as np
 
 from sglang_eaas.balance.eplb import eplb_placement
 from sglang_eaas.balance.evaluate import layer_load
-from sglang_eaas.balance.load import LoadWindow
+from sglang_eaas.balance.load import LoadWindow, latest_windows
 from sglang_eaas.balance.placer import Move, balance_model, moves
-from sglang_eaas.protocol.lines import ControlError
 from sglang_eaas.protocol.monitor import SERVING, Snapshot
 
 POLICIES = ("moeless", "eplb")
@@ -34,13 +33,7 @@ class LoadHistory:
     def take(self, snapshot: Snapshot) -> int:
         """Add the windows the snapshot's clients carry that are new; how many were."""
         new = 0
-        for member in snapshot.clients():
-            if not member.load:
-                continue
-            try:
-                window = LoadWindow.from_message(member.load)
-            except (ControlError, TypeError):
-                continue  # a client without load recording (an older version, or none yet)
+        for window in latest_windows(snapshot.clients()).values():
             seen = self._windows.setdefault(window.source, collections.deque(maxlen=self.keep))
             if not any(w.first_step == window.first_step for w in seen):
                 seen.append(window)

@@ -86,8 +86,16 @@ def read_dump(path: str | Path) -> Iterator[LoadWindow]:
 def latest_windows(members: Iterable[Any]) -> dict[str, LoadWindow]:
     """Each attention client's last window, by client id, from a monitor snapshot's members
     (``Snapshot.clients()``): a client's heartbeat carries ``LoadWindow.to_message()`` as its
-    ``load`` (``{}`` before its first window, or where the monitor left it out)."""
-    return {m.id: LoadWindow.from_message(m.load) for m in members if m.load}
+    ``load`` (``{}`` before its first window, or where the monitor left it out; a load that
+    is not a window, from a client without load recording, is skipped)."""
+    found = {}
+    for m in members:
+        try:
+            if m.load:
+                found[m.id] = LoadWindow.from_message(m.load)
+        except (ControlError, TypeError):
+            continue
+    return found
 
 
 def total(windows: Iterable[LoadWindow]) -> np.ndarray:
