@@ -276,6 +276,7 @@ def main() -> int:
         servers = sorted(m.id for m in watcher.watch(-1, 0.0).servers())
         watcher.close()
         kill_at = [args.duration * (i + 1) / (args.kills + 1) for i in range(args.kills)]
+        took: list[float] = []  # --fault replace: how long each move took
         if args.fault == "replace":
             victims = [f"move {i + 1}" for i in range(args.kills)]
             pids = {}
@@ -291,6 +292,7 @@ def main() -> int:
                     current = live_placement(connect(monitor, envs.TOKEN.get()).watch(-1, 0.0))
                     done = apply_placement(current, rotated(current, i), envs.TOKEN.get(),
                                            grace=1.0)
+                    took.append(done.seconds)
                     say(f"  {victim} at {time.perf_counter() - run.started:.1f} s: "
                         f"{sum(len(c.adds) for c in done.changes)} replicas added "
                         f"({done.from_peer} from peers) and as many dropped in "
@@ -333,16 +335,20 @@ def main() -> int:
         f"{fault_avg / base_avg:.3f}x | {len(faulty.failed)} | "
         f"{longest_gap(faulty, *span) * 1e3:.0f} ms |",
         "",
-        "| failure | at | server | longest wait between two tokens of a request, the 3 s "
-        "after | time to full throughput |",
+        ("| move | at | took | longest wait between two tokens of a request, during the move "
+         "and the 3 s after | time to full throughput |" if args.fault == "replace" else
+         "| failure | at | server | longest wait between two tokens of a request, the 3 s "
+         "after | time to full throughput |"),
         "|---:|---:|---|---:|---:|",
     ]
     stalls = []
     for i, (at, victim) in enumerate(zip(kill_at, victims)):
-        stall = longest_gap(faulty, at, at + 3)
+        # a move lasts: its window is the move and the 3 s after it
+        stall = longest_gap(faulty, at, at + (took[i] if i < len(took) else 0.0) + 3)
         stalls.append(stall)
         back = recovery(faulty, at, full, args.duration)
-        lines.append(f"| {i + 1} | {at:.0f} s | {victim} | {stall * 1e3:.0f} ms | "
+        what = f"{took[i]:.1f} s" if args.fault == "replace" and i < len(took) else victim
+        lines.append(f"| {i + 1} | {at:.0f} s | {what} | {stall * 1e3:.0f} ms | "
                      + (f"{back:.1f} s |" if back is not None else "not within the run |"))
     lines += [
         "",
@@ -356,8 +362,8 @@ def main() -> int:
     ]
     if args.fault == "replace":
         lines[-1] = (
-            f"Re-placement (issue 12): the longest wait between two tokens of a request in the "
-            f"3 s after a move, {max(stalls, default=0) * 1e3:.0f} ms, against "
+            f"Re-placement (issue 12): the longest wait between two tokens of a request during "
+            f"a move or the 3 s after, {max(stalls, default=0) * 1e3:.0f} ms, against "
             f"{base_gap * 1e3:.0f} ms anywhere in the run without moves "
             f"({max(stalls, default=0) / base_gap:.2f}x); failed requests "
             f"{len(faulty.failed)}; average throughput {-drop:+.1%}.")
