@@ -178,8 +178,8 @@ def weights_chunk(server: "ExpertServer", request: ExpertWeights) -> WeightsChun
     if row < 0 or request.expert not in server.holdings.get(request.layer, ()):
         raise ControlError("weights_not_held", f"expert server {server.address} does not hold "
                            f"expert {request.expert} of MoE layer {request.layer}")
-    tensor = getattr(layer, request.tensor)[row].contiguous()
-    raw = tensor.view(torch.uint8).reshape(-1).numpy().tobytes()  # a copy: the row is freed
+    tensor = getattr(layer, request.tensor)[row]  # a view: this layer object stays whole
+    raw = memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())
     if request.offset > len(raw):
         raise ControlError("bad_field", f"offset {request.offset} is past the tensor's "
                            f"{len(raw)} bytes")
