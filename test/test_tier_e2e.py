@@ -271,6 +271,10 @@ def test_status_shows_the_live_tier(deployment):
     assert status.returncode == 0, status.stderr
     assert "3 expert servers, 1 attention clients" in status.stdout
     assert f"layer {LAYER}: 1 with 1 holder, 7 with 2 holders" in status.stdout
+    computed = re.findall(r"^(\S+:\d+)\s+(\d+)\s+(\d+)\s+([\d.]+) ms\s+(\d+) \(", status.stdout,
+                          re.M)  # server, layer, tokens, ms, busiest expert
+    assert {int(layer) for _, layer, *_ in computed} == {0, LAYER}, status.stdout
+    assert all(int(tokens) > 0 and float(ms) > 0 for _, _, tokens, ms, _ in computed)
 
 
 def _clients(d: Deployment) -> list[int]:

@@ -2,7 +2,8 @@
 
 Prints every expert server (status, incarnation, seconds since its last heartbeat, clients,
 requests and tokens served, experts per MoE layer), then each MoE layer's coverage (how many
-live holders each expert has, and which have none), then the attention clients and the latest
+live holders each expert has, and which have none), what each server computed per MoE layer
+(tokens, compute time, its busiest expert), then the attention clients and the latest
 departures with why. ``--json`` prints the monitor's snapshot instead.
 """
 
@@ -57,6 +58,17 @@ def render(snapshot: Snapshot, monitor: str) -> str:
                               for r, n in sorted(spread.items()))
             lines.append(f"  model {fingerprint[:12]} layer {layer}: {shape or 'none'}"
                          + (f"; NO LIVE HOLDER for experts {ranges(missing)}" if missing else ""))
+    computed = [(m, m.load.get("expert_load") or {}) for m in servers]
+    if any(per_layer for _, per_layer in computed):
+        lines += ["", "expert compute since start (per server and MoE layer: tokens, compute "
+                  "time, the expert that took the most):"]
+        rows = [("SERVER", "LAYER", "TOKENS", "COMPUTE", "BUSIEST EXPERT")]
+        for m, per_layer in computed:
+            for layer, (tokens, ns, busiest, its_ns) in sorted(per_layer.items(),
+                                                               key=lambda kv: int(kv[0])):
+                rows.append((m.id, layer, str(tokens), f"{ns / 1e6:.1f} ms",
+                             f"{busiest} ({its_ns / max(ns, 1):.0%} of the time)"))
+        lines += _table(rows)
     if snapshot.clients():
         lines += ["", "clients: " + ", ".join(sorted(m.id for m in snapshot.clients()))]
     if snapshot.departures:
