@@ -25,12 +25,9 @@ import random
 import signal
 import statistics
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import requests
 
 from sglang_eaas import cpu_runtime, envs
 from sglang_eaas.balance.apply import apply_placement, live_placement
@@ -41,7 +38,8 @@ from sglang_eaas.protocol.control import probe
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError, free_port
 
-from bench_lib.report import Report, default_out, say
+from bench_lib.report import Report, default_out, save_figure, say
+from bench_lib.streams import Run, closed_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 3.0  # seconds at the start of each run left out of the averages (prefill ramp)
@@ -129,59 +127,16 @@ def rotated(current: dict, step: int) -> dict:
             target.items()}
 
 
-@dataclass
-class Run:
-    """What the load saw: every token's arrival, per request, and the requests that failed."""
-
-    started: float
-    arrivals: list[list[float]] = field(default_factory=list)  # per request: each token's time
-    failed: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
 def load(url: str, args, vocab: int, seed: int, faults=lambda run: None) -> Run:
-    """``--concurrency`` closed loops of streaming requests for ``--duration`` seconds;
-    ``faults(run)`` runs meanwhile (in its own thread)."""
-    run, stop = Run(time.perf_counter()), threading.Event()
+    """``--concurrency`` closed loops of streaming requests (random prompt token ids) for
+    ``--duration`` seconds; ``faults(run)`` runs meanwhile (in its own thread)."""
+    rngs = [random.Random(seed * 1000 + worker) for worker in range(args.concurrency)]
 
-    def loop(worker: int) -> None:
-        rng = random.Random(seed * 1000 + worker)
-        while not stop.is_set():
-            prompt = [rng.randrange(vocab) for _ in range(args.input_len)]
-            times, reason = [], None
-            body = {"input_ids": prompt, "stream": True, "sampling_params": {
-                "max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}}
-            try:
-                with requests.post(f"{url}/generate", json=body, stream=True,
-                                   timeout=120) as response:
-                    response.raise_for_status()
-                    for line in response.iter_lines():
-                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                            continue
-                        chunk = json.loads(line[len(b"data: "):])
-                        times += [time.perf_counter()] * (
-                            chunk["meta_info"]["completion_tokens"] - len(times))
-                        reason = chunk["meta_info"]["finish_reason"]
-                        if stop.is_set():
-                            break
-            except requests.RequestException as exc:
-                reason = {"type": "error", "message": str(exc)}
-            with run.lock:
-                run.arrivals.append(times)
-                if not stop.is_set() and (reason or {}).get("type") != "length":
-                    run.failed.append(json.dumps(reason)[:300])
+    def prompt_of(worker: int, n: int) -> list[int]:
+        return [rngs[worker].randrange(vocab) for _ in range(args.input_len)]
 
-    workers = [threading.Thread(target=loop, args=(w,)) for w in range(args.concurrency)]
-    for w in workers:
-        w.start()
-    fault_thread = threading.Thread(target=faults, args=(run,))
-    fault_thread.start()
-    time.sleep(args.duration)
-    stop.set()
-    for w in workers:
-        w.join()
-    fault_thread.join()
-    return run
+    return closed_loop(url, prompt_of, args.output_len, args.concurrency, args.duration,
+                       during=faults)
 
 
 def tokens_between(run: Run, start: float, end: float) -> int:
@@ -244,10 +199,7 @@ def plot(path: Path, base: Run, faulty: Run, kills: list[float], args) -> None:
                  f"{args.concurrency} concurrent streams")
     ax.legend(loc="lower right")
     ax.set_ylim(bottom=0)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    say(f"plot saved to {path}")
+    save_figure(fig, path)
 
 
 def main() -> int:

@@ -77,6 +77,14 @@ def default_out(name: str) -> Path:
     return DEFAULT_DIR / f"{name}.md"
 
 
+def save_figure(fig, path: Path) -> None:
+    """A matplotlib figure to ``path`` (PNG), laid out; its parent made if missing."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    say(f"plot saved to {path}")
+
+
 class Report:
     """The header and result sections of one run: printed at once, saved by ``save``."""
 

@@ -1,0 +1,76 @@
+"""A closed loop of streaming ``/generate`` requests: each of ``concurrency`` workers sends one
+greedy request (``ignore_eos``), reads its streamed chunks, records each token's arrival time,
+and sends the next when it ends, for ``duration`` seconds. What the throughput, TPOT and
+longest-wait numbers of ``bench_faults`` and ``bench_balance`` are computed from."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import requests
+
+
+@dataclass
+class Run:
+    """Every token's arrival (``perf_counter``), per request; the requests that ran to their
+    length; the ones that failed before the loop stopped (their finish reason, cut short)."""
+
+    started: float
+    arrivals: list[list[float]] = field(default_factory=list)
+    finished: list[list[float]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def closed_loop(url: str, prompt_of: Callable[[int, int], str | list[int]], output_len: int,
+                concurrency: int, duration: float,
+                during: Callable[[Run], None] = lambda run: None) -> Run:
+    """``prompt_of(worker, n)``: the prompt (text or token ids) of a worker's ``n``-th request;
+    ``during(run)`` runs meanwhile, in a thread of its own (faults, moves)."""
+    run, stop = Run(time.perf_counter()), threading.Event()
+
+    def loop(worker: int) -> None:
+        n = 0
+        while not stop.is_set():
+            prompt = prompt_of(worker, n)
+            n += 1
+            body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "stream": True,
+                    "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0,
+                                        "ignore_eos": True}}
+            times, reason = [], None
+            try:
+                with requests.post(f"{url}/generate", json=body, stream=True,
+                                   timeout=120) as response:
+                    response.raise_for_status()
+                    for line in response.iter_lines():
+                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                            continue
+                        meta = json.loads(line[len(b"data: "):])["meta_info"]
+                        times += [time.perf_counter()] * (meta["completion_tokens"] - len(times))
+                        reason = meta["finish_reason"]
+                        if stop.is_set():
+                            break
+            except requests.RequestException as exc:
+                reason = {"type": "error", "message": str(exc)}
+            with run.lock:
+                run.arrivals.append(times)
+                if (reason or {}).get("type") == "length":
+                    run.finished.append(times)
+                elif not stop.is_set():
+                    run.failed.append(json.dumps(reason)[:300])
+
+    workers = [threading.Thread(target=loop, args=(w,)) for w in range(concurrency)]
+    for w in workers:
+        w.start()
+    side = threading.Thread(target=during, args=(run,))
+    side.start()
+    time.sleep(duration)
+    stop.set()
+    for w in workers:
+        w.join()
+    side.join()
+    return run
