@@ -270,13 +270,18 @@ class EaasClient:
             picked_t = torch.from_numpy(picked).to(hidden.device)
             try:
                 conn.slots[handle.micro_batch].send(layer_id, hidden[picked_t], chosen,
-                                                    weights[picked_t].float())
+                                                    weights[picked_t].float(), ring=False)
                 conn.in_flight += 1
                 self.metrics.sent(conn.address)
             except (TransportError, ProtocolError) as exc:
                 self._lose(conn, f"sending failed: {exc}", report=True)
                 continue
             sent.append(Sent(conn, picked_t + chunk.start, mask))
+        for conn, _, _ in sent:  # every request is published before any server wakes
+            try:
+                conn.slots[handle.micro_batch].ring()
+            except TransportError as exc:  # a server that sleeps through it is timed out
+                self._lose(conn, f"ringing failed: {exc}", report=True)
         return sent
 
     def _collect(self, handle: Dispatched, chunk: Chunk, sent: list[Sent]) -> None:

@@ -94,13 +94,16 @@ class ClientSlot:
         self.state = new
 
     def send(self, layer_id: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-             router_weights: torch.Tensor) -> None:
+             router_weights: torch.Tensor, ring: bool = True) -> None:
         """Publish a request: payload and header, then CLIENT_WRITE_DONE, in one put.
 
         Args:
             hidden: ``[T, hidden_size]``, ``T <= max_tokens`` (cast to the slot dtype).
             expert_ids: ``[T, top_k]`` integer global expert ids, -1 where not for this server.
             router_weights: ``[T, top_k]`` float router weights.
+            ring: wake the server now; ``False``: the caller calls ``ring`` (a client that
+                sends to several servers publishes every request before it wakes any, so a
+                woken server cannot take the core before the others have their requests).
         """
         layout, tokens = self.layout, hidden.shape[0]
         if (tokens > layout.max_tokens or tuple(hidden.shape) != (tokens, layout.hidden_size)
@@ -123,6 +126,11 @@ class ClientSlot:
                                                   router_weights, header_bytes),
                                    self._flag, SlotState.CLIENT_WRITE_DONE)
         self.state, self._tokens = SlotState.CLIENT_WRITE_DONE, tokens
+        if ring:
+            self.ring()
+
+    def ring(self) -> None:
+        """Ring the server's doorbell: a server asleep on it wakes and reads its slots."""
         self.region.notify(self.server_bell)
 
     def wait(self, timeout: float, spin: float = POLL_SPIN_US * 1e-6) -> bool:
