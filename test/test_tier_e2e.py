@@ -274,7 +274,8 @@ def test_status_shows_the_live_tier(deployment):
     computed = re.findall(r"^(\S+:\d+)\s+(\d+)\s+(\d+)\s+([\d.]+) ms\s+(\d+) \(", status.stdout,
                           re.M)  # server, layer, tokens, ms, busiest expert
     assert {int(layer) for _, layer, *_ in computed} == {0, LAYER}, status.stdout
-    assert all(int(tokens) > 0 and float(ms) > 0 for _, _, tokens, ms, _ in computed)
+    assert all(int(tokens) > 0 and float(ms) > 0 for _, _, tokens, ms, _ in computed), (
+        status.stdout)
 
 
 def _clients(d: Deployment) -> list[int]:

@@ -66,7 +66,7 @@ def render(snapshot: Snapshot, monitor: str) -> str:
         for m, per_layer in computed:
             for layer, (tokens, ns, busiest, its_ns) in sorted(per_layer.items(),
                                                                key=lambda kv: int(kv[0])):
-                rows.append((m.id, layer, str(tokens), f"{ns / 1e6:.1f} ms",
+                rows.append((m.id, layer, str(tokens), f"{ns / 1e6:.3f} ms",
                              f"{busiest} ({its_ns / max(ns, 1):.0%} of the time)"))
         lines += _table(rows)
     if snapshot.clients():
