@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 from conftest import open_log
+from tier_steps import one_step, routed_batch, wait_until
 from hf_reference import assert_matches_hf, hf_routed_experts
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
@@ -87,33 +88,6 @@ def client_of(monitor, info, tiny_qwen3):
         client.close()
 
 
-def _batch(info: MoeModelInfo, tokens: int, seed: int, experts: list[int] | None = None):
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.tensor(experts if experts is not None else range(info.num_experts))
-    x = torch.randn(tokens, info.hidden_size, generator=g)
-    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:info.top_k]]
-                       for _ in range(tokens)])
-    return x, ids, torch.rand(tokens, info.top_k, generator=g)
-
-
-def _step(client: EaasClient, layer: int, x, ids, w):
-    """One explicit step of one layer: (output, failed rows)."""
-    client.begin_step()
-    try:
-        out = client.forward(layer, x, ids, w)
-    finally:
-        failed = client.end_step()
-    return out, failed
-
-
-def _until(condition, timeout: float, what: str, step=lambda: None) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
-        step()
-        time.sleep(0.02)
-
-
 def _requests(server) -> int:
     return probe(server.address, TOKEN)["requests"]
 
@@ -126,15 +100,15 @@ def test_a_server_lost_in_the_middle_of_a_layer(start, client_of, info, hf_exper
     what it then writes late into its old slot is never counted."""
     servers = start(REPLICATED)
     client = client_of(servers, "mid-layer")
-    x, ids, w = _batch(info, 24, seed=1)
-    assert_matches_hf(_step(client, 0, x, ids, w)[0], hf_experts, 0, x, ids, w)
+    x, ids, w = routed_batch(info, 24, seed=1)
+    assert_matches_hf(one_step(client, 0, x, ids, w)[0], hf_experts, 0, x, ids, w)
     victim = servers[1]
     first = client.view.connections[victim.address].incarnation
     os.kill(victim.process.pid, signal.SIGSTOP)  # the request below waits in its slot
     if signal_ == signal.SIGKILL:
         threading.Timer(0.3, os.kill, (victim.process.pid, signal.SIGKILL)).start()
     began = time.monotonic()
-    out, failed = _step(client, 0, x, ids, w)
+    out, failed = one_step(client, 0, x, ids, w)
     took = time.monotonic() - began
     assert_matches_hf(out, hf_experts, 0, x, ids, w)
     assert not failed and took < PATIENT / 3, took
@@ -143,14 +117,14 @@ def test_a_server_lost_in_the_middle_of_a_layer(start, client_of, info, hf_exper
 
     if signal_ == signal.SIGSTOP:
         os.kill(victim.process.pid, signal.SIGCONT)
-        _until(lambda: victim.address in client.table.servers, 15,
-               "the server back in the table", step=lambda: _step(client, 1, x, ids, w))
+        wait_until(lambda: victim.address in client.table.servers, 15,
+               "the server back in the table", step=lambda: one_step(client, 1, x, ids, w))
         assert client.view.connections[victim.address].incarnation != first
         before = _requests(victim)
         for seed in range(3):  # its answers count again, once each
-            x, ids, w = _batch(info, 24, seed=10 + seed)
+            x, ids, w = routed_batch(info, 24, seed=10 + seed)
             for layer in info.moe_layers:
-                assert_matches_hf(_step(client, layer, x, ids, w)[0], hf_experts, layer, x,
+                assert_matches_hf(one_step(client, layer, x, ids, w)[0], hf_experts, layer, x,
                                   ids, w)
         assert _requests(victim) > before
 
@@ -163,7 +137,7 @@ def test_two_micro_batches_in_flight(start, client_of, info, hf_experts):
     client = client_of(servers, "two-micro-batches", micro_batches=2)
     assert all(probe(s.address, TOKEN)["clients"] == 1 and probe(s.address, TOKEN)["slots"] == 2
                for s in servers)
-    a, b = _batch(info, 24, seed=11), _batch(info, 5, seed=12)
+    a, b = routed_batch(info, 24, seed=11), routed_batch(info, 5, seed=12)
     for layer, victim in ((0, None), (1, servers[1])):
         client.begin_step()
         first = client.dispatch(layer, *a, micro_batch=0)
@@ -188,7 +162,7 @@ def test_a_server_joined_before_it_registered_is_kept(start, client_of, info, hf
     servers = start(REPLICATED)
     client = client_of(servers, "joined-early")
     tier, victim = client.tier, servers[2]
-    _until(lambda: victim.address in {m.id for m in tier.backend.watch(-1, 0.0).servers()}, 10,
+    wait_until(lambda: victim.address in {m.id for m in tier.backend.watch(-1, 0.0).servers()}, 10,
            "the server registered")
     conn = tier.live_connections()[victim.address]
     listed, drops = conn.incarnation, tier.stats["drops"]
@@ -198,8 +172,8 @@ def test_a_server_joined_before_it_registered_is_kept(start, client_of, info, hf
     tier._apply(snapshot)
     assert tier.live_connections()[victim.address] is conn and conn.incarnation == listed
     assert tier.stats["drops"] == drops
-    x, ids, w = _batch(info, 24, seed=3)
-    assert_matches_hf(_step(client, 0, x, ids, w)[0], hf_experts, 0, x, ids, w)
+    x, ids, w = routed_batch(info, 24, seed=3)
+    assert_matches_hf(one_step(client, 0, x, ids, w)[0], hf_experts, 0, x, ids, w)
 
     conn.incarnation = ""  # and the monitor lists another incarnation at that address
     other = [dataclasses.replace(m, incarnation="0" * 16) if m.id == victim.address else m
@@ -216,21 +190,21 @@ def test_a_slow_server_costs_time_only(start, client_of, monitor, info, hf_exper
     servers = start(REPLICATED)
     client = client_of(servers, "slow", result_timeout=0.15)
     slow = servers[0]
-    x, ids, w = _batch(info, 16, seed=2)
-    _step(client, 0, x, ids, w)
+    x, ids, w = routed_batch(info, 16, seed=2)
+    one_step(client, 0, x, ids, w)
     evictions = monitor.stats().get("evictions", 0)
     os.kill(slow.process.pid, signal.SIGSTOP)
     threading.Timer(0.25, os.kill, (slow.process.pid, signal.SIGCONT)).start()
-    out, failed = _step(client, 0, x, ids, w)
+    out, failed = one_step(client, 0, x, ids, w)
     assert_matches_hf(out, hf_experts, 0, x, ids, w)
     assert not failed
-    _until(lambda: slow.address in client.table.servers, 15, "the slow server back",
-           step=lambda: _step(client, 1, x, ids, w))
+    wait_until(lambda: slow.address in client.table.servers, 15, "the slow server back",
+           step=lambda: one_step(client, 1, x, ids, w))
     assert monitor.stats().get("evictions", 0) == evictions + 1
     drops = client.tier.stats["drops"]
     for seed in range(5):
-        x, ids, w = _batch(info, 16, seed=20 + seed)
-        assert_matches_hf(_step(client, 1, x, ids, w)[0], hf_experts, 1, x, ids, w)
+        x, ids, w = routed_batch(info, 16, seed=20 + seed)
+        assert_matches_hf(one_step(client, 1, x, ids, w)[0], hf_experts, 1, x, ids, w)
     assert client.tier.stats["drops"] == drops  # no flapping once it is back
 
 
@@ -242,16 +216,16 @@ def test_the_only_holder_lost_then_replaced(start, client_of, info, hf_experts):
     full.process.kill()
     full.process.wait()
     mixed = torch.tensor([[0, 1], [2, 5], [3, 1], [7, 4], [2, 0]])
-    x, _, w = _batch(info, 5, seed=3)
-    out, failed = _step(client, 1, x, mixed, w)
+    x, _, w = routed_batch(info, 5, seed=3)
+    out, failed = one_step(client, 1, x, mixed, w)
     assert failed == {1: "experts [5] of MoE layer 1 have no live expert server",
                       3: "experts [4, 7] of MoE layer 1 have no live expert server"}
     keep = torch.tensor([0, 2, 4])
     assert_matches_hf(out[keep], hf_experts, 1, x[keep], mixed[keep], w[keep])
     (replacement,) = start([[4, 5, 6, 7]])
-    _until(lambda: replacement.address in client.table.servers, 15, "the replacement joined",
-           step=lambda: _step(client, 1, x, mixed, w))
-    out, failed = _step(client, 1, x, mixed, w)
+    wait_until(lambda: replacement.address in client.table.servers, 15, "the replacement joined",
+           step=lambda: one_step(client, 1, x, mixed, w))
+    out, failed = one_step(client, 1, x, mixed, w)
     assert not failed
     assert_matches_hf(out, hf_experts, 1, x, mixed, w)
 
@@ -267,9 +241,9 @@ def test_servers_join_and_drain_at_runtime(start, client_of, info, hf_experts):
         seed = 100
         while not stop.is_set():
             seed += 1
-            x, ids, w = _batch(info, 12, seed)
+            x, ids, w = routed_batch(info, 12, seed)
             try:
-                out, failed = _step(client, 0, x, ids, w)
+                out, failed = one_step(client, 0, x, ids, w)
                 assert not failed, failed
                 assert_matches_hf(out, hf_experts, 0, x, ids, w)
             except Exception as exc:  # noqa: BLE001 (reported below)
@@ -279,8 +253,8 @@ def test_servers_join_and_drain_at_runtime(start, client_of, info, hf_experts):
     thread.start()
     try:
         (joined,) = start([REPLICATED[2]])
-        _until(lambda: joined.address in client.table.servers, 15, "the new server joined")
-        _until(lambda: _requests(joined) > 0, 15, "traffic to the new server")
+        wait_until(lambda: joined.address in client.table.servers, 15, "the new server joined")
+        wait_until(lambda: _requests(joined) > 0, 15, "traffic to the new server")
         drain = subprocess.run([sys.executable, "-m", "sglang_eaas.expert_server", "--drain",
                                 servers[0].address], capture_output=True, text=True,
                                timeout=60)
@@ -304,19 +278,19 @@ def test_a_client_the_monitor_lost_joins_again(start, client_of, monitor, info, 
     client registers again at once and joins them afresh, and no layer fails meanwhile."""
     servers = start(REPLICATED[:2])
     client = client_of(servers, "stalled")
-    x, ids, w = _batch(info, 16, seed=6)
-    _step(client, 0, x, ids, w)
+    x, ids, w = routed_batch(info, 16, seed=6)
+    one_step(client, 0, x, ids, w)
     first = client.tier.presence.incarnation
     client.tier.presence._healthy = lambda: False  # a stalled process sends no heartbeat
-    _until(lambda: client.tier.stats["recoveries"] >= 1, 10, "the client joined again")
+    wait_until(lambda: client.tier.stats["recoveries"] >= 1, 10, "the client joined again")
     client.tier.presence._healthy = lambda: True
     assert client.tier.presence.incarnation != first
     for layer in info.moe_layers:
-        out, failed = _step(client, layer, x, ids, w)
+        out, failed = one_step(client, layer, x, ids, w)
         assert not failed
         assert_matches_hf(out, hf_experts, layer, x, ids, w)
     assert sorted(client.table.servers) == sorted(s.address for s in servers)
-    _until(lambda: all(probe(s.address, TOKEN)["clients"] == 1 for s in servers), 10,
+    wait_until(lambda: all(probe(s.address, TOKEN)["clients"] == 1 for s in servers), 10,
            "one slot per server again")
     assert client.tier.stats["drops"] == 0  # no server was taken for dead
 
@@ -330,19 +304,19 @@ def test_a_client_registered_again_by_its_presence_joins_again(start, client_of,
     takes none of them for dead."""
     servers = start(REPLICATED[:2])
     client = client_of(servers, "re-registered")
-    x, ids, w = _batch(info, 16, seed=7)
-    _step(client, 0, x, ids, w)
+    x, ids, w = routed_batch(info, 16, seed=7)
+    one_step(client, 0, x, ids, w)
     first = client.tier.presence.incarnation
     client.tier.presence.register_again()  # what the presence does after a lost heartbeat
     assert client.tier.presence.incarnation != first
-    _until(lambda: client.tier.stats["recoveries"] >= 1, 10, "the client joined again")
-    _until(lambda: all(probe(s.address, TOKEN)["clients"] == 1 for s in servers), 10,
+    wait_until(lambda: client.tier.stats["recoveries"] >= 1, 10, "the client joined again")
+    wait_until(lambda: all(probe(s.address, TOKEN)["clients"] == 1 for s in servers), 10,
            "one slot per server again")
     assert sorted(client.tier.live_connections()) == sorted(s.address for s in servers)
     assert all(c.client_incarnation == client.tier.presence.incarnation
                for c in client.tier.live_connections().values())
     for layer in info.moe_layers:
-        out, failed = _step(client, layer, x, ids, w)
+        out, failed = one_step(client, layer, x, ids, w)
         assert not failed
         assert_matches_hf(out, hf_experts, layer, x, ids, w)
     assert client.tier.stats["drops"] == 0  # no server was taken for dead
@@ -377,11 +351,11 @@ def test_a_lost_client_has_its_slots_taken_back(start, client_of, monitor, info,
         assert all(probe(s.address, TOKEN)["clients"] == 2 for s in servers)
         process.send_signal(signal_)
         began = time.monotonic()
-        _until(lambda: all(probe(s.address, TOKEN)["clients"] == 1 for s in servers), 10,
+        wait_until(lambda: all(probe(s.address, TOKEN)["clients"] == 1 for s in servers), 10,
                "the lost client's slots taken back")
         assert time.monotonic() - began <= LOSS + HEARTBEAT + 1.0
-        x, ids, w = _batch(info, 8, seed=4)
-        assert_matches_hf(_step(other, 0, x, ids, w)[0], hf_experts, 0, x, ids, w)
+        x, ids, w = routed_batch(info, 8, seed=4)
+        assert_matches_hf(one_step(other, 0, x, ids, w)[0], hf_experts, 0, x, ids, w)
     finally:
         process.kill()
         process.wait()

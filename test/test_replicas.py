@@ -13,14 +13,15 @@ import time
 import pytest
 import torch
 from conftest import open_log
+from tier_steps import one_step, routed_batch, wait_until
 from hf_reference import assert_matches_hf, hf_routed_experts
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
-from sglang_eaas.protocol.control import probe
-from sglang_eaas.protocol.lines import Channel, Refused
+from sglang_eaas.protocol.control import call, probe
+from sglang_eaas.protocol.lines import Refused
 
 import os
 
@@ -78,40 +79,6 @@ def client_of(info, tiny_qwen3):
         client.close()
 
 
-def _call(server, op: str, **fields) -> dict:
-    channel = Channel(server.address, TOKEN, 60.0)
-    try:
-        return channel.call(op, **fields)
-    finally:
-        channel.close()
-
-
-def _batch(info: MoeModelInfo, tokens: int, seed: int, experts: list[int]):
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.tensor(experts)
-    x = torch.randn(tokens, info.hidden_size, generator=g)
-    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:info.top_k]]
-                       for _ in range(tokens)])
-    return x, ids, torch.rand(tokens, info.top_k, generator=g)
-
-
-def _step(client: EaasClient, layer: int, x, ids, w):
-    client.begin_step()
-    try:
-        out = client.forward(layer, x, ids, w)
-    finally:
-        failed = client.end_step()
-    return out, failed
-
-
-def _until(condition, timeout: float, what: str, step=lambda: None) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
-        step()
-        time.sleep(0.02)
-
-
 def _tokens(server) -> int:
     return probe(server.address, TOKEN).get("tokens", 0)
 
@@ -123,18 +90,19 @@ def test_a_replica_added_from_a_peer_then_the_original_dropped_in_use(
     them: every sum is right, no row fails, nothing fails over, and server 0 frees the rows."""
     client = client_of(servers, "replicas", monitor.address)
     layer, hot = 0, [2, 3]
-    x, ids, w = _batch(info, 32, seed=1, experts=hot)
-    assert_matches_hf(_step(client, layer, x, ids, w)[0], hf_experts, layer, x, ids, w)
+    x, ids, w = routed_batch(info, 32, seed=1, experts=hot)
+    assert_matches_hf(one_step(client, layer, x, ids, w)[0], hf_experts, layer, x, ids, w)
 
-    reply = _call(servers[2], "add_experts", layer=layer, experts=hot, source=servers[0].address)
+    reply = call(servers[2].address, TOKEN, "add_experts", layer=layer, experts=hot,
+                 source=servers[0].address)
     assert reply["from_peer"] == hot and reply["from_disk"] == []
     assert reply["layer_experts"] == [0, 1, 2, 3, 6, 7]
     other_layer = probe(servers[2].address, TOKEN)["layer_experts"][str(info.moe_layers[1])]
     assert other_layer == [0, 1, 6, 7]  # only that layer changed
-    _until(lambda: 2 in client.table.placement[servers[2].address][layer], 10,
-           "the client's table with the replica", step=lambda: _step(client, layer, x, ids, w))
+    wait_until(lambda: 2 in client.table.placement[servers[2].address][layer], 10,
+           "the client's table with the replica", step=lambda: one_step(client, layer, x, ids, w))
     before = [_tokens(s) for s in servers]
-    out, failed = _step(client, layer, x, ids, w)
+    out, failed = one_step(client, layer, x, ids, w)
     assert_matches_hf(out, hf_experts, layer, x, ids, w)  # the fetched weights are right
     assert not failed
     added = [_tokens(s) - b for s, b in zip(servers, before)]
@@ -147,9 +115,9 @@ def test_a_replica_added_from_a_peer_then_the_original_dropped_in_use(
         seed = 100
         while not stop.is_set():
             seed += 1
-            bx, bids, bw = _batch(info, 16, seed=seed, experts=hot + [0, 5])
+            bx, bids, bw = routed_batch(info, 16, seed=seed, experts=hot + [0, 5])
             try:
-                out, failed = _step(client, layer, bx, bids, bw)
+                out, failed = one_step(client, layer, bx, bids, bw)
                 assert not failed, failed
                 assert_matches_hf(out, hf_experts, layer, bx, bids, bw)
                 steps[0] += 1
@@ -159,14 +127,14 @@ def test_a_replica_added_from_a_peer_then_the_original_dropped_in_use(
     worker = threading.Thread(target=serve)
     worker.start()
     try:
-        _until(lambda: steps[0] >= 3, 30, "steps before the drop")
+        wait_until(lambda: steps[0] >= 3, 30, "steps before the drop")
         weights = probe(servers[0].address, TOKEN)["weight_bytes"]
-        reply = _call(servers[0], "drop_experts", layer=layer, experts=hot, grace=0.5)
+        reply = call(servers[0].address, TOKEN, "drop_experts", layer=layer, experts=hot, grace=0.5)
         assert reply["layer_experts"] == [0, 1]
-        _until(lambda: probe(servers[0].address, TOKEN)["weight_bytes"] < weights, 30,
+        wait_until(lambda: probe(servers[0].address, TOKEN)["weight_bytes"] < weights, 30,
                "server 0 freeing the dropped experts")
         at = steps[0]
-        _until(lambda: steps[0] >= at + 3, 30, "steps after the drop")
+        wait_until(lambda: steps[0] >= at + 3, 30, "steps after the drop")
     finally:
         stop.set()
         worker.join(60)
@@ -180,12 +148,13 @@ def test_holdings_changes_that_are_refused_or_fall_back(servers, info):
     does not answer, makes the server read the weights from disk; bad fields are refused."""
     layer = info.moe_layers[1]
     with pytest.raises(Refused, match="last live holder of experts \\[4\\]") as refused:
-        _call(servers[1], "drop_experts", layer=layer, experts=[4])
+        call(servers[1].address, TOKEN, "drop_experts", layer=layer, experts=[4])
     assert refused.value.reason == "drop_uncovered"
-    reply = _call(servers[0], "add_experts", layer=layer, experts=[5],
-                  source=servers[2].address)  # server 2 does not hold 5
+    reply = call(servers[0].address, TOKEN, "add_experts", layer=layer, experts=[5],
+                 source=servers[2].address)  # server 2 does not hold 5
     assert reply["from_disk"] == [5] and reply["from_peer"] == []
-    reply = _call(servers[0], "add_experts", layer=layer, experts=[4], source="127.0.0.1:9")
+    reply = call(servers[0].address, TOKEN, "add_experts", layer=layer, experts=[4],
+                 source="127.0.0.1:9")
     assert reply["from_disk"] == [4]
     assert probe(servers[0].address, TOKEN)["replica_fetch_fallbacks"] == 2
     for fields, reason in (
@@ -194,11 +163,11 @@ def test_holdings_changes_that_are_refused_or_fall_back(servers, info):
             (dict(layer=layer, experts=[1, 1]), "distinct expert ids"),
             (dict(layer=layer, experts=[info.num_experts]), "do not exist")):
         with pytest.raises(Refused, match=reason):
-            _call(servers[0], "add_experts", **fields)
+            call(servers[0].address, TOKEN, "add_experts", **fields)
     with pytest.raises(Refused, match="does not hold experts \\[3\\]"):
-        _call(servers[1], "drop_experts", layer=layer, experts=[3])
+        call(servers[1].address, TOKEN, "drop_experts", layer=layer, experts=[3])
     with pytest.raises(Refused, match="does not hold expert 7"):
-        _call(servers[0], "expert_weights", layer=layer, expert=7, tensor="w13")
+        call(servers[0].address, TOKEN, "expert_weights", layer=layer, expert=7, tensor="w13")
 
 
 def test_a_client_that_never_learns_of_a_drop(servers, client_of, info, hf_experts):
@@ -207,12 +176,12 @@ def test_a_client_that_never_learns_of_a_drop(servers, client_of, info, hf_exper
     none, and sends those entries to the other holders: the sum is still right."""
     client = client_of(servers, "no-monitor", monitor="", result_timeout=1.0)
     layer = info.moe_layers[0]
-    x, ids, w = _batch(info, 24, seed=7, experts=[0, 1])  # on servers 0 and 2
-    assert_matches_hf(_step(client, layer, x, ids, w)[0], hf_experts, layer, x, ids, w)
-    _call(servers[2], "drop_experts", layer=layer, experts=[0, 1], grace=0.0)
-    _until(lambda: probe(servers[2].address, TOKEN)["weight_bytes"]
+    x, ids, w = routed_batch(info, 24, seed=7, experts=[0, 1])  # on servers 0 and 2
+    assert_matches_hf(one_step(client, layer, x, ids, w)[0], hf_experts, layer, x, ids, w)
+    call(servers[2].address, TOKEN, "drop_experts", layer=layer, experts=[0, 1], grace=0.0)
+    wait_until(lambda: probe(servers[2].address, TOKEN)["weight_bytes"]
            < probe(servers[0].address, TOKEN)["weight_bytes"], 10, "the rows freed")
-    out, failed = _step(client, layer, x, ids, w)
+    out, failed = one_step(client, layer, x, ids, w)
     assert_matches_hf(out, hf_experts, layer, x, ids, w)
     assert not failed and servers[2].address not in client.table.servers
 
@@ -224,7 +193,7 @@ def test_the_balancer_replicates_a_hot_expert(servers, client_of, monitor, info,
     them; the client's next steps spread those tokens, and every sum stays right."""
     client = client_of(servers, "balanced", monitor.address)
     hot = [2, 3]
-    batches = {layer: _batch(info, 24, seed=20 + layer, experts=hot if layer == 0 else
+    batches = {layer: routed_batch(info, 24, seed=20 + layer, experts=hot if layer == 0 else
                              list(range(info.num_experts))) for layer in info.moe_layers}
 
     def step():
@@ -237,7 +206,7 @@ def test_the_balancer_replicates_a_hot_expert(servers, client_of, monitor, info,
 
     for _ in range(3 * client.load.window_steps):
         step()
-    _until(lambda: any(m.load for m in monitor.registry.snapshot().clients()), 10,
+    wait_until(lambda: any(m.load for m in monitor.registry.snapshot().clients()), 10,
            "a load window at the monitor")
     env = {**os.environ, "SGLANG_EAAS_TOKEN": TOKEN}
     run = subprocess.run([sys.executable, "-m", "sglang_eaas.tools.rebalance", "--monitor",
@@ -252,7 +221,7 @@ def test_the_balancer_replicates_a_hot_expert(servers, client_of, monitor, info,
     holders = {e: [m.id for m in monitor.registry.snapshot().servers()
                    if e in m.holdings().get(0, ())] for e in hot}
     assert all(len(h) >= 2 for h in holders.values()), holders
-    _until(lambda: all(e in client.table.placement[s][0] for e in hot for s in holders[e]),
+    wait_until(lambda: all(e in client.table.placement[s][0] for e in hot for s in holders[e]),
            10, "the client's table with the replicas", step=step)
     served = [_tokens(s) for s in servers]
     step()

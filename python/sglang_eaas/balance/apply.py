@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from sglang_eaas.balance.placer import Move, moves
-from sglang_eaas.protocol.lines import Channel
+from sglang_eaas.protocol.control import call
 from sglang_eaas.protocol.monitor import SERVING, Snapshot
 
 Placement = Mapping[str, Mapping[int, list[int]]]  # server -> MoE layer -> experts
@@ -62,24 +62,17 @@ def apply_placement(current: Placement, target: Placement, token: str, grace: fl
             source = min(sources, key=lambda s: (len(by_source.get(s, ())), s), default="")
             by_source[source].append(e)
         for source, experts in by_source.items():
-            reply = _call(change.server, token, timeout, "add_experts", layer=change.layer,
-                          experts=experts, source=source)
+            reply = call(change.server, token, "add_experts", timeout, layer=change.layer,
+                         experts=experts, source=source)
             done.from_peer += len(reply["from_peer"])
             done.from_disk += len(reply["from_disk"])
             say(f"{change.server}: MoE layer {change.layer} +{experts} (from "
                 f"{source or 'disk'})")
     for change in done.changes:
         if change.drops:
-            _call(change.server, token, timeout, "drop_experts", layer=change.layer,
-                  experts=list(change.drops), grace=grace)
+            call(change.server, token, "drop_experts", timeout, layer=change.layer,
+                 experts=list(change.drops), grace=grace)
             say(f"{change.server}: MoE layer {change.layer} -{list(change.drops)}")
     done.seconds = time.monotonic() - began
     return done
 
-
-def _call(server: str, token: str, timeout: float, op: str, **fields) -> dict:
-    channel = Channel(server, token, timeout)
-    try:
-        return channel.call(op, **fields)
-    finally:
-        channel.close()

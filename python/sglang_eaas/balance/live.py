@@ -77,10 +77,10 @@ def tier_placement(snapshot: Snapshot) -> tuple[dict, int]:
     return {m.id: m.holdings() for m in servers}, models.pop()[1]
 
 
-def plan(snapshot: Snapshot, load: np.ndarray, layers: Sequence[int], slots: int,
+def plan(current: dict, load: np.ndarray, layers: Sequence[int], slots: int,
          policy: str = "moeless", **options) -> Plan:
-    """The placement for ``load`` on the tier's serving servers, warm from the current one."""
-    current, _ = tier_placement(snapshot)
+    """The placement for ``load`` on the servers of ``current`` (``tier_placement``), warm
+    from it."""
     servers = sorted(current)
     if policy == "eplb":
         target = eplb_placement(load, layers, servers, slots).placement

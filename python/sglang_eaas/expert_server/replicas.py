@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ibgda import TransportError
-from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.expert_server.experts import load_experts, with_experts, without_experts
 from sglang_eaas.protocol.control import (
     WEIGHT_CHUNK, WEIGHT_TENSORS, AddExperts, DropExperts, ExpertWeights, HoldingsChange,
@@ -54,7 +53,8 @@ class Replicas:
     # -- add --------------------------------------------------------------------------------
     def add(self, request: AddExperts) -> HoldingsChange:
         s = self.server
-        layer = self._check_layer(request.layer, request.experts)
+        layer = request.layer
+        self._check_layer(layer, request.experts)
         with self._change:
             advertised = set(s.holdings.get(layer, ()))
             with self._retiring_lock:
@@ -64,10 +64,12 @@ class Replicas:
             new = [e for e in request.experts if e not in advertised and e not in back]
             from_peer, from_disk = [], []
             if new:
-                w13, w2, from_peer, from_disk = self._weights(layer, new, request.source)
+                digests = s.digests_of(new)
+                w13, w2, from_peer, from_disk = self._weights(layer, new, request.source,
+                                                              digests)
                 s.swap_layer(layer, with_experts(s.layers.get(layer), new, w13, w2,
                                                  s.info.num_experts))
-                s.digests = {**s.digests, **expert_digests(s.config.model_path, s.info, new)}
+                s.digests = digests
             s.set_holdings(layer, sorted(advertised | set(request.experts)))
             s.stats["replicas_added"] += len(new) + len(back)
             logger.info("MoE layer %d: now holding experts %s too (%d from peer %s, %d from "
@@ -75,14 +77,15 @@ class Replicas:
                         request.source or "-", len(from_disk), len(back))
             return HoldingsChange(s.holdings[layer], from_peer, from_disk)
 
-    def _weights(self, layer: int, experts: list[int], source: str
+    def _weights(self, layer: int, experts: list[int], source: str, digests: dict[int, str]
                  ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-        """``w13 [n, 2I, H]``, ``w2 [n, H, I]`` of ``experts`` in this server's dtype."""
+        """``w13 [n, 2I, H]``, ``w2 [n, H, I]`` of ``experts`` in this server's dtype;
+        ``digests``: this server's digest of each (a peer's must match)."""
         s = self.server
         if source:
             try:
-                w13, w2 = fetch_from_peer(source, s.config.token, layer, experts, s.digests_of(
-                    experts), s.dtype)
+                w13, w2 = fetch_from_peer(source, s.config.token, layer, experts, digests,
+                                          s.dtype)
                 return w13, w2, list(experts), []
             except (TransportError, ControlError, ValueError) as exc:
                 s.stats["replica_fetch_fallbacks"] += 1
@@ -94,7 +97,8 @@ class Replicas:
     # -- drop -------------------------------------------------------------------------------
     def drop(self, request: DropExperts) -> HoldingsChange:
         s = self.server
-        layer = self._check_layer(request.layer, request.experts)
+        layer = request.layer
+        self._check_layer(layer, request.experts)
         if s.tier is None:
             raise ControlError("drop_needs_monitor", (
                 f"expert server {s.address} has no monitor, so its clients would not learn "
@@ -157,7 +161,7 @@ class Replicas:
             if done:
                 return
 
-    def _check_layer(self, layer: int, experts: list[int]) -> int:
+    def _check_layer(self, layer: int, experts: list[int]) -> None:
         info = self.server.info
         if layer not in info.moe_layers:
             raise ControlError("bad_field", f"layer {layer} is not a MoE layer of this model "
@@ -166,7 +170,6 @@ class Replicas:
         if bad:
             raise ControlError("bad_field", f"experts {bad} do not exist: the model has "
                                f"{info.num_experts}")
-        return layer
 
 
 # -- a peer's weights -----------------------------------------------------------------------

@@ -212,6 +212,8 @@ class ExpertServer:
             self.tier.presence.set_holdings(self.layer_experts_message())
 
     def digests_of(self, experts: list[int]) -> dict[int, str]:
+        """This server's expert digests with those of ``experts`` too (from the checkpoint,
+        for experts it does not hold yet)."""
         missing = [e for e in experts if e not in self.digests]
         return {**self.digests, **(expert_digests(self.config.model_path, self.info, missing)
                                    if missing else {})}

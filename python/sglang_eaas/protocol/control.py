@@ -182,10 +182,17 @@ class WeightsChunk:
         return cls(*(message[f] for f in ("data", "total", "dtype", "shape", "sha256")))
 
 
-def probe(address: str, token: str, timeout: float = 10.0) -> dict[str, Any]:
-    """A server's stats (experts, model fingerprint, counters) over a fresh connection."""
+def call(address: str, token: str, op: str, timeout: float = 10.0, **fields: Any
+         ) -> dict[str, Any]:
+    """One request to the server at ``address`` over a fresh connection; its reply
+    (``Refused`` if refused, ``TransportError`` if the connection fails)."""
     channel = Channel(address, token, timeout)
     try:
-        return channel.call("stats")["stats"]
+        return channel.call(op, **fields)
     finally:
         channel.close()
+
+
+def probe(address: str, token: str, timeout: float = 10.0) -> dict[str, Any]:
+    """A server's stats (experts, model fingerprint, counters) over a fresh connection."""
+    return call(address, token, "stats", timeout)["stats"]

@@ -100,7 +100,7 @@ def one_pass(monitor, history: LoadHistory, args, token: str, first: bool) -> No
         return
     slots = args.slots or default_slots(current, num_experts)
     options = {"cv_target": args.cv_target} if args.policy == "moeless" else {}
-    decided = plan(snapshot, load, layers, slots, args.policy, **options)
+    decided = plan(current, load, layers, slots, args.policy, **options)
     print(f"rebalance: {len(current)} expert servers, {slots} slots per MoE layer each, "
           f"{int(load.sum())} tokens in the clients' last windows; policy {args.policy}",
           flush=True)
