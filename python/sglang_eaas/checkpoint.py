@@ -37,10 +37,10 @@ def tensor_files(model_path: str | Path) -> dict[str, Path]:
     single = model_path / "model.safetensors"
     if not single.exists():
         raise ModelError(f"no model.safetensors or model.safetensors.index.json in {model_path}")
-    return {name: single for name in _header(single)[0] if name != "__metadata__"}
+    return {name: single for name in safetensors_header(single)[0] if name != "__metadata__"}
 
 
-def _header(path: Path) -> tuple[dict, int]:
+def safetensors_header(path: Path) -> tuple[dict, int]:
     """A safetensors file's header (name -> dtype, shape, data_offsets) and where data starts."""
     try:
         with open(path, "rb") as f:
@@ -67,7 +67,7 @@ def expert_digests(model_path: str | Path, info: MoeModelInfo,
                         raise ModelError(f"tensor {name} is missing from {model_path}")
                     path = files[name]
                     if path not in headers:
-                        headers[path] = _header(path)
+                        headers[path] = safetensors_header(path)
                         fds[path] = os.open(path, os.O_RDONLY)
                     header, data_start = headers[path]
                     entry = header.get(name)

@@ -29,6 +29,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sglang_eaas.tools.tiny_tokenizer import EOS, MIN_VOCAB, train_byte_level_bpe
 
@@ -38,6 +39,9 @@ SKIP_DIRS = frozenset({
     "lib-dynload", "__phello__",
 })
 HELD_OUT_MOD = 20  # a file is held out when crc32(relative path) % 20 == 0
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -202,50 +206,88 @@ def hf_config(spec: TrainSpec, vocab_size: int, eos_id: int):
 
 def lr_at(spec: TrainSpec, step: int) -> float:
     """Linear warmup, then cosine decay to a tenth."""
-    if step < spec.warmup:
-        return spec.lr * (step + 1) / spec.warmup
-    span = max(1, spec.steps - spec.warmup)
-    progress = min(1.0, (step - spec.warmup) / span)
-    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cosine_lr(spec.lr, spec.warmup, spec.steps, step)
 
 
-def evaluate(model, stream, spec: TrainSpec) -> dict:
-    """Mean next-token loss over held-out windows and tokens routed to each (layer, expert)."""
+def cosine_lr(lr: float, warmup: int, steps: int, step: int) -> float:
+    """The learning rate of ``step``: linear warmup to ``lr`` over ``warmup`` steps, then cosine
+    decay to a tenth of it at ``steps``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    span = max(1, steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """A model run over consecutive windows of a token stream (``run_windows``)."""
+
+    loss: float  # mean next-token loss, nats per token
+    tokens: int  # tokens predicted
+    counts: torch.Tensor  # [MoE layers, experts] int64: tokens whose top-k held the expert
+    gate_sums: torch.Tensor  # [MoE layers, experts] float64: sum of those tokens' router weights
+
+
+def run_windows(model, stream, seq_len: int, batch: int, max_tokens: int,
+                top_k: int) -> WindowStats:
+    """Next-token loss and routing of ``model`` (eval mode, no grad) over the first
+    ``max_tokens`` tokens of ``stream`` cut into windows of ``seq_len``, ``batch`` at a time.
+
+    ``counts`` and ``gate_sums`` come from each MoE layer's router logits: the top-``top_k``
+    experts of every token, and their softmax weights as the model uses them (renormalized over
+    the top-k when the config says ``norm_topk_prob``)."""
     import torch
 
-    n = min(spec.eval_tokens, stream.numel() - 1) // spec.seq_len
+    n = min(max_tokens, stream.numel() - 1) // seq_len
     if n < 1:
         raise ValueError("the held-out split is shorter than one --seq-len window")
-    windows = stream[: n * spec.seq_len + 1]
-    counts = torch.zeros(spec.layers, spec.experts, dtype=torch.int64)
+    windows = stream[: n * seq_len + 1]
+    norm = getattr(model.config, "norm_topk_prob", False)
+    counts = gate_sums = None
     loss_sum, tokens = 0.0, 0
+    was_training = model.training
     model.eval()
     with torch.no_grad():
-        for start in range(0, n, spec.batch):
-            rows = range(start, min(n, start + spec.batch))
-            x = torch.stack([windows[r * spec.seq_len: (r + 1) * spec.seq_len] for r in rows])
-            y = torch.stack([windows[r * spec.seq_len + 1: (r + 1) * spec.seq_len + 1]
-                             for r in rows])
+        for start in range(0, n, batch):
+            rows = range(start, min(n, start + batch))
+            x = torch.stack([windows[r * seq_len: (r + 1) * seq_len] for r in rows])
+            y = torch.stack([windows[r * seq_len + 1: (r + 1) * seq_len + 1] for r in rows])
             out = model(input_ids=x, output_router_logits=True)
             loss = torch.nn.functional.cross_entropy(
                 out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1),
                 reduction="sum")
             loss_sum += loss.item()
             tokens += y.numel()
+            if counts is None:
+                shape = (len(out.router_logits), out.router_logits[0].shape[-1])
+                counts = torch.zeros(shape, dtype=torch.int64)
+                gate_sums = torch.zeros(shape, dtype=torch.float64)
             for layer, logits in enumerate(out.router_logits):
-                top = torch.topk(logits.float(), spec.top_k, dim=-1).indices.reshape(-1)
-                counts[layer] += torch.bincount(top, minlength=spec.experts)
-    model.train()
-    mean = counts.float().mean(dim=1)
-    skew = (counts.float().max(dim=1).values / mean).tolist()
+                top = torch.topk(logits.float(), top_k, dim=-1).indices
+                counts[layer] += torch.bincount(top.reshape(-1), minlength=counts.shape[1])
+                weights = torch.softmax(logits.float(), dim=-1).gather(-1, top)
+                if norm:
+                    weights = weights / weights.sum(dim=-1, keepdim=True)
+                gate_sums[layer].index_add_(0, top.reshape(-1), weights.reshape(-1).double())
+    model.train(was_training)
+    return WindowStats(loss_sum / tokens, tokens, counts, gate_sums)
+
+
+def evaluate(model, stream, spec: TrainSpec) -> dict:
+    """Mean next-token loss over held-out windows and tokens routed to each (layer, expert)."""
+    stats = run_windows(model, stream, spec.seq_len, spec.batch, spec.eval_tokens, spec.top_k)
+    counts = stats.counts.float()
+    mean = counts.mean(dim=1)
+    skew = (counts.max(dim=1).values / mean).tolist()
     return {
-        "held_out_loss": loss_sum / tokens,
-        "held_out_tokens": tokens,
+        "held_out_loss": stats.loss,
+        "held_out_tokens": stats.tokens,
         "expert_load_skew_max_over_mean": [round(s, 4) for s in skew],
         "expert_load_min_over_mean": [
-            round(v, 4) for v in (counts.float().min(dim=1).values / mean).tolist()],
-        "experts_without_tokens": (counts == 0).sum(dim=1).tolist(),
-        "expert_token_counts": counts.tolist(),
+            round(v, 4) for v in (counts.min(dim=1).values / mean).tolist()],
+        "experts_without_tokens": (stats.counts == 0).sum(dim=1).tolist(),
+        "expert_token_counts": stats.counts.tolist(),
     }
 
 
