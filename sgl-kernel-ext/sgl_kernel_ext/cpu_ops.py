@@ -1,6 +1,8 @@
 """The CPU grouped expert kernel (``csrc/cpu/grouped_expert.cpp``), built on first use:
 ``grouped_expert`` (rows sorted by expert, in groups) and ``expert_sum`` (one MoE layer's
-weighted expert sum from the routing, what the expert server calls).
+weighted expert sum from the routing, what the expert server calls); and, in the same library
+(``csrc/cpu/esft_reroute.cpp``), ``esft_reroute`` (ESFT adapters' batched rerouting of the
+top-k expert ids, what the client runs before dispatch; ``esft_reroute.reroute`` wraps it).
 
 Built with torch's extension tooling (``torch.utils.cpp_extension.load``: ninja and the C++
 compiler) into a folder named after a digest of the source, torch and Python versions and flags,
@@ -33,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 NAME = "sgl_kernel_ext_cpu"
 CSRC = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
-SOURCES = (CSRC / "grouped_expert.cpp",)
+SOURCES = (CSRC / "grouped_expert.cpp", CSRC / "esft_reroute.cpp")
 # -fopenmp: at::parallel_for is inline and runs serially in code compiled without it. The
 # library then needs libgomp.so.1, which is torch's own (loaded with torch, under that name).
 # -ffp-contract=off: expert_sum's weighted sum multiplies, then adds (as torch's mul and sum
@@ -180,6 +182,18 @@ def expert_sum(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Experts with no entries get nothing. Without it no clock is read."""
     return ops().expert_sum(hidden, w13, w2, flat_local, router_weights, shrink, isa,
                             expert_load)
+
+
+def esft_reroute(ids: torch.Tensor, aid: torch.Tensor, pi: torch.Tensor,
+                 check_aid: bool = True) -> torch.Tensor:
+    """``out [T, K]`` in ``ids``' dtype (new, contiguous): ``out[t, k] = pi[aid[t], ids[t, k]]``
+    where ``aid[t] >= 0`` and ``ids[t, k] >= 0``, else ``ids[t, k]`` (-1 stays -1). ``ids [T, K]``
+    int32 or int64, ``aid int32 [T]`` (-1: a base-model token), ``pi int32 [A, E]``: CPU
+    tensors, any strides. ``check_aid``: first refuse (``ValueError``) an ``aid`` value that is
+    not -1 or in ``[0, A)``, one pass over ``aid``; an ``ids`` value >= E is the caller's
+    contract. One pass over the entries, on ``torch.get_num_threads()`` threads when there are
+    enough of them (65536 or more)."""
+    return ops().esft_reroute(ids, aid, pi, check_aid)
 
 
 if __name__ == "__main__":  # python -m sgl_kernel_ext.cpu_ops: build now (scripts/setup.sh)
