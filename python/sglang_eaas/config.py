@@ -112,6 +112,35 @@ def writable_file(path: str) -> Path:
     return p
 
 
+def _adapters(spec: str) -> tuple[tuple[str, str], ...]:
+    """Parse ``--eaas-esft-adapters NAME=PATH,...``: each PATH an adapter directory."""
+    out: list[tuple[str, str]] = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise argparse.ArgumentTypeError(f"expected NAME=PATH[,NAME=PATH...], got {item!r}")
+        if ":" in name:
+            raise argparse.ArgumentTypeError(f"adapter name {name!r} may not contain ':' (a "
+                                             "request's model 'base:adapter' splits on it)")
+        if not Path(path.strip()).is_dir():
+            raise argparse.ArgumentTypeError(f"adapter {name.strip()}: {path.strip()!r} is not "
+                                             "a directory")
+        if name.strip() in dict(out):
+            raise argparse.ArgumentTypeError(f"adapter name {name.strip()!r} is given twice")
+        out.append((name.strip(), str(Path(path.strip()).resolve())))
+    return tuple(out)
+
+
+def _count(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}")
+    return number
+
+
 DEFAULT_LOCAL_SERVERS = 2  # --eaas without --eaas-expert-servers, placement or shared monitor
 
 
@@ -138,6 +167,22 @@ class EaasConfig:
     overlap: bool = True  # False (--eaas-disable-overlap): no two-batch overlap
     load_dump: Path | None = None  # --eaas-load-dump: each rank's load windows, appended
     load_window: int = LOAD_WINDOW  # steps per load window
+    esft: bool = False  # serve ESFT adapters (--eaas-esft, or --eaas-esft-adapters given)
+    esft_adapters: tuple[tuple[str, str], ...] = ()  # (name, directory) loaded at launch
+    esft_slots: int | None = None  # adapter expert ids per MoE layer; None: 4 x the experts
+    esft_max_experts: int | None = None  # per adapter and MoE layer; None: a quarter of them
+    esft_replicas: int = 1  # servers holding each adapter expert
+
+    def adapter_slots(self, num_experts: int) -> int:
+        """Expert ids per MoE layer past the model's ``num_experts`` (0 without ESFT)."""
+        if not self.esft:
+            return 0
+        return self.esft_slots if self.esft_slots is not None else 4 * num_experts
+
+    def adapter_budget(self, num_experts: int) -> int:
+        """The most experts one adapter may replace in one MoE layer."""
+        return (self.esft_max_experts if self.esft_max_experts is not None
+                else max(1, num_experts // 4))
 
     def __reduce__(self):
         return (_restore_in_worker, tuple(getattr(self, f.name) for f in fields(self)))
@@ -315,6 +360,51 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help=f"Scheduler steps per load window: the unit of the expert-load counts on /metrics, "
         f"in --eaas-load-dump and in the heartbeat to the monitor (default: {LOAD_WINDOW}).",
     )
+    group.add_argument(
+        "--eaas-esft",
+        action="store_true",
+        default=None,
+        help="Serve ESFT (expert-specialised fine-tuning) adapters over the base model: their "
+        "experts go to the expert servers, and each request's tokens are rerouted to its "
+        "adapter's experts. Implied by --eaas-esft-adapters; alone, adapters are loaded at "
+        "runtime through SGLang's /load_lora_adapter. Requests pick one as SGLang's LoRA "
+        "adapters (OpenAI model 'BASE:NAME' or 'NAME', or lora_path). See docs/esft.md.",
+    )
+    group.add_argument(
+        "--eaas-esft-adapters",
+        type=_adapters,
+        default=None,
+        metavar="NAME=PATH[,NAME=PATH...]",
+        help="ESFT adapters to serve from the start: each PATH a directory with "
+        "expert_config.json and adapter.safetensors (python -m sglang_eaas.tools.esft). The "
+        "launch fails if one cannot be placed.",
+    )
+    group.add_argument(
+        "--eaas-esft-slots",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="Expert ids per MoE layer for adapters' experts, past the model's own (the "
+        "routing table's width; memory grows only with the experts adapters really replace). "
+        "Loading an adapter fails when a layer has too few left (default: 4 x the model's "
+        "routed experts).",
+    )
+    group.add_argument(
+        "--eaas-esft-max-experts",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="The most experts one adapter may replace in one MoE layer; an adapter with more "
+        "is refused at registration (default: a quarter of the model's routed experts).",
+    )
+    group.add_argument(
+        "--eaas-esft-replicas",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="Expert servers holding each adapter expert (default 1): with 2 or more, a "
+        "server holding adapter experts can die without failing the adapter's requests.",
+    )
 
 
 LOCAL_ONLY = ("--eaas-kernel and --eaas-disable-shrink apply to the local expert servers this "
@@ -335,7 +425,9 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                          "eaas_poll_spin_us", "eaas_monitor", "eaas_heartbeat",
                          "eaas_loss_timeout", "eaas_result_timeout", "eaas_wait_for_servers",
                          "eaas_kernel", "eaas_disable_shrink", "eaas_disable_overlap",
-                         "eaas_load_dump", "eaas_load_window")
+                         "eaas_load_dump", "eaas_load_window", "eaas_esft",
+                         "eaas_esft_adapters", "eaas_esft_slots", "eaas_esft_max_experts",
+                         "eaas_esft_replicas")
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -362,6 +454,14 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
     if args.eaas_disable_overlap and getattr(args, "enable_two_batch_overlap", False):
         raise ValueError("--eaas-disable-overlap turns off the two-batch overlap "
                          "--enable-two-batch-overlap asks for: drop one of them")
+    esft = bool(args.eaas_esft or args.eaas_esft_adapters)
+    if not esft and any(getattr(args, name, None) is not None for name in (
+            "eaas_esft_slots", "eaas_esft_max_experts", "eaas_esft_replicas")):
+        raise ValueError("--eaas-esft-slots, --eaas-esft-max-experts and --eaas-esft-replicas "
+                         "apply with --eaas-esft or --eaas-esft-adapters")
+    if esft and getattr(args, "enable_two_batch_overlap", False):
+        raise ValueError("ESFT adapters (--eaas-esft) do not run with two-batch overlap yet: "
+                         "drop --enable-two-batch-overlap")
     if not shrink and kernel == "reference":
         raise ValueError("--eaas-disable-shrink applies to --eaas-kernel fast only")
     if (kernel is not None or not shrink) and (
@@ -375,7 +475,9 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                       args.eaas_result_timeout or RESULT_TIMEOUT,
                       args.eaas_wait_for_servers or WAIT_FOR_SERVERS, kernel, shrink,
                       not args.eaas_disable_overlap, args.eaas_load_dump,
-                      args.eaas_load_window or LOAD_WINDOW)
+                      args.eaas_load_window or LOAD_WINDOW, esft,
+                      tuple(args.eaas_esft_adapters or ()), args.eaas_esft_slots,
+                      args.eaas_esft_max_experts, args.eaas_esft_replicas or 1)
 
 
 def current() -> EaasConfig | None:

@@ -13,6 +13,7 @@ from typing import Any, Callable, NamedTuple
 from sglang_eaas import config, request_checks
 from sglang_eaas.client import graph_check, overlap, sglang_moe, steps
 from sglang_eaas.cpu_runtime import attention, moe_native_ep, server_defaults
+from sglang_eaas.esft import sglang_hooks as esft_hooks
 from sglang_eaas.launcher import prepare
 
 
@@ -51,6 +52,27 @@ HOOKS: tuple[Hook, ...] = (
         "AFTER",
         _from_cli_args,
         "carry the parsed --eaas options on ServerArgs._eaas",
+    ),
+    Hook(
+        "sglang.srt.server_args.ServerArgs.from_cli_args",
+        "BEFORE",
+        esft_hooks.lora_args,
+        "--eaas-esft-adapters: ESFT adapters become SGLang's LoRA adapters (--enable-lora, "
+        "--lora-paths), so requests, /v1/models, load/unload and the radix cache treat them so",
+    ),
+    Hook(
+        "sglang.srt.model_executor.model_runner.ModelRunner.init_lora_manager",
+        "AROUND",
+        esft_hooks.init_lora_manager,
+        "--eaas-esft: the rank's LoRA manager places ESFT adapters' experts on the expert "
+        "servers and reroutes their tokens (EsftManager), instead of staging LoRA weights",
+    ),
+    Hook(
+        "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase._resolve_lora_path",
+        "AROUND",
+        esft_hooks.resolve_adapter,
+        "--eaas-esft: an OpenAI model naming an ESFT adapter selects it; a model naming neither "
+        "the served model nor an adapter is a 404, not base-model output",
     ),
     Hook(
         "sglang.srt.entrypoints.engine.Engine._launch_subprocesses",

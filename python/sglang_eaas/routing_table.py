@@ -17,6 +17,9 @@ import torch
 from sglang_eaas.placement import ExpertRouting, PlacementError
 
 Holdings = Mapping[str, Mapping[int, list[int]]]  # server id -> MoE layer -> experts held there
+# server id -> MoE layer -> physical id -> (adapter, base expert, digest): the held experts
+# that are ESFT adapter experts (``Member.adapter_holdings``)
+AdapterHoldings = Mapping[str, Mapping[int, Mapping[int, tuple[str, int, str]]]]
 
 
 @dataclass(frozen=True)
@@ -24,15 +27,21 @@ class RoutingTable:
     epoch: int
     servers: tuple[str, ...]  # stable server ids; ``ExpertRouting`` indices point into this
     layers: Mapping[int, ExpertRouting]  # MoE layer id -> who holds which expert there
-    num_experts: int
+    num_experts: int  # expert ids per layer: the model's, then ESFT adapter experts' slots
     placement: Mapping[str, Mapping[int, tuple[int, ...]]]  # what ``build`` was given, sorted
+    base_experts: int = 0  # the model's experts (0: all ``num_experts`` are)
+    adapter_experts: AdapterHoldings = None  # what ``build`` was given
 
     @classmethod
     def build(cls, epoch: int, holdings: Holdings, moe_layers: list[int], num_experts: int,
-              allow_missing: bool = False) -> "RoutingTable":
+              allow_missing: bool = False, base_experts: int = 0,
+              adapter_experts: AdapterHoldings | None = None) -> "RoutingTable":
         """The table of ``holdings``; ``PlacementError`` if a layer is missing, or (unless
         ``allow_missing``: a live tier that lost the last holder of an expert) if an expert of
-        some layer has no holder."""
+        some layer has no holder. ``base_experts``: the model's experts, when ``num_experts``
+        also counts ESFT adapter slots (ids ``base_experts ..``, held or not: a free slot is
+        not missing); ``adapter_experts``: which held experts are adapter experts."""
+        base = base_experts or num_experts
         servers = tuple(holdings)
         layers = {}
         for layer in moe_layers:
@@ -41,12 +50,45 @@ class RoutingTable:
                 raise PlacementError(f"servers {missing} say nothing about MoE layer {layer}")
             try:
                 layers[layer] = ExpertRouting([list(holdings[s][layer]) for s in servers],
-                                              num_experts, allow_missing)
+                                              num_experts, allow_missing or base < num_experts)
             except PlacementError as exc:
                 raise PlacementError(f"MoE layer {layer}: {exc}") from None
+            if not allow_missing and [e for e in layers[layer].missing if e < base]:
+                raise PlacementError(f"MoE layer {layer}: experts "
+                                     f"{[e for e in layers[layer].missing if e < base]} are on "
+                                     "no expert server")
         placement = {s: {layer: tuple(sorted(holdings[s][layer])) for layer in moe_layers}
                      for s in servers}
-        return cls(epoch, servers, layers, num_experts, placement)
+        adapters = {s: {layer: dict(held) for layer, held in by_layer.items() if held}
+                    for s, by_layer in (adapter_experts or {}).items() if s in holdings}
+        return cls(epoch, servers, layers, num_experts, placement, base, adapters)
+
+    def adapters(self) -> dict[str, dict[int, dict[int, int]]]:
+        """The ESFT adapters the servers hold experts of: adapter -> MoE layer -> base expert
+        -> physical id. A physical id two servers describe differently is left out (and so
+        is its adapter's use of it): it cannot be trusted to be either."""
+        seen: dict[tuple[int, int], set] = {}
+        for by_layer in (self.adapter_experts or {}).values():
+            for layer, held in by_layer.items():
+                for physical, described in held.items():
+                    seen.setdefault((layer, physical), set()).add(tuple(described))
+        out: dict[str, dict[int, dict[int, int]]] = {}
+        for (layer, physical), described in sorted(seen.items()):
+            if len(described) == 1:
+                name, base, _ = next(iter(described))
+                out.setdefault(name, {}).setdefault(layer, {})[base] = physical
+        return out
+
+    def adapter_digests(self, name: str) -> dict[int, dict[int, str]]:
+        """Adapter ``name``'s experts' digests as the servers describe them: MoE layer ->
+        base expert -> digest."""
+        out: dict[int, dict[int, str]] = {}
+        for by_layer in (self.adapter_experts or {}).values():
+            for layer, held in by_layer.items():
+                for adapter, base, digest in held.values():
+                    if adapter == name:
+                        out.setdefault(layer, {})[base] = digest
+        return out
 
     @classmethod
     def uniform(cls, epoch: int, experts: Mapping[str, list[int]], moe_layers: list[int],
@@ -57,8 +99,11 @@ class RoutingTable:
 
     @property
     def missing(self) -> dict[int, list[int]]:
-        """MoE layer -> experts no server of this table holds (only with ``allow_missing``)."""
-        return {layer: r.missing for layer, r in self.layers.items() if r.missing}
+        """MoE layer -> the model's experts no server of this table holds (only with
+        ``allow_missing``); free ESFT adapter slots are not missing."""
+        base = self.base_experts or self.num_experts
+        missing = {layer: [e for e in r.missing if e < base] for layer, r in self.layers.items()}
+        return {layer: ids for layer, ids in missing.items() if ids}
 
     def holdings(self) -> dict[str, dict[int, list[int]]]:
         """The table's placement, as ``build`` takes it (a copy to change)."""
@@ -71,14 +116,14 @@ class RoutingTable:
         holdings = self.holdings()
         holdings.pop(server)
         return RoutingTable.build(self.epoch + 1, holdings, list(self.layers), self.num_experts,
-                                  allow_missing)
+                                  allow_missing, self.base_experts, self.adapter_experts)
 
     def with_server(self, server: str, layers: Mapping[int, list[int]]) -> "RoutingTable":
         """The next epoch with ``server`` holding ``layers`` (replacing what it held)."""
         holdings = self.holdings()
         holdings[server] = {layer: list(experts) for layer, experts in layers.items()}
         return RoutingTable.build(self.epoch + 1, holdings, list(self.layers), self.num_experts,
-                                  allow_missing=bool(self.missing))
+                                  bool(self.missing), self.base_experts, self.adapter_experts)
 
     def assign(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
         """``[T, K]`` expert ids of ``layer`` -> ``[T, K]`` indices into ``servers`` (-1 for -1,

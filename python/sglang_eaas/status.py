@@ -40,7 +40,12 @@ def render(snapshot: Snapshot, monitor: str) -> str:
     rows = [("SERVER", "STATUS", "INCARNATION", "BEAT", "CLIENTS", "REQUESTS", "TOKENS",
              "EXPERTS PER MOE LAYER")]
     for m in servers:
-        held = "; ".join(f"{layer}: {ranges(ids)}" for layer, ids in sorted(m.holdings().items()))
+        held = "; ".join(f"{layer}: {ranges(ids)}"
+                         for layer, ids in sorted(m.base_holdings().items()))
+        adapters = Counter(v[0] for by in m.adapter_experts.values() for v in by.values())
+        if adapters:
+            held += "; ESFT adapter experts: " + ", ".join(
+                f"{name} {n}" for name, n in sorted(adapters.items()))
         rows.append((m.id, m.status, m.incarnation[:16], f"{m.beat_age:.2f}s",
                      str(m.load.get("clients", "-")), str(m.load.get("requests", "-")),
                      str(m.load.get("tokens", "-")), held))

@@ -33,8 +33,10 @@ class Applied:
 
 
 def live_placement(snapshot: Snapshot, fingerprint: str | None = None) -> dict:
-    """The serving servers' experts per MoE layer, as the monitor has them."""
-    return {m.id: m.holdings() for m in snapshot.servers(fingerprint) if m.status == SERVING}
+    """The serving servers' experts of the model per MoE layer, as the monitor has them (ESFT
+    adapter experts are not the balancer's)."""
+    return {m.id: m.base_holdings() for m in snapshot.servers(fingerprint)
+            if m.status == SERVING}
 
 
 def apply_placement(current: Placement, target: Placement, token: str, grace: float = 2.0,

@@ -74,7 +74,7 @@ def tier_placement(snapshot: Snapshot) -> tuple[dict, int]:
     models = {(m.fingerprint, m.num_experts) for m in servers}
     if len(models) != 1:
         raise ValueError(f"the tier must serve one model to balance, it serves {len(models)}")
-    return {m.id: m.holdings() for m in servers}, models.pop()[1]
+    return {m.id: m.base_holdings() for m in servers}, models.pop()[1]
 
 
 def plan(current: dict, load: np.ndarray, layers: Sequence[int], slots: int,

@@ -35,6 +35,7 @@ from sglang_eaas.client.load_recorder import DEFAULT_WINDOW_STEPS, LoadRecorder
 from sglang_eaas.client.device_step import DeviceFailure, DeviceStep, drives_devices
 from sglang_eaas.client.metrics import TierMetrics
 from sglang_eaas.client.tier import ClientTier, TierSettings, View
+from sglang_eaas.esft.routing import AdapterRouting
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor import HEARTBEAT
 from sglang_eaas.placement import NO_HOLDER, PlacedExperts, PlacementError
@@ -58,17 +59,21 @@ class EaasClient:
                  heartbeat: float = HEARTBEAT, wait_for_experts: float = 30.0,
                  metrics: TierMetrics | None = None, micro_batches: int = 1,
                  load_window: int = DEFAULT_WINDOW_STEPS,
-                 load_sinks: Sequence[Callable[[LoadWindow], None]] = ()):
+                 load_sinks: Sequence[Callable[[LoadWindow], None]] = (),
+                 adapter_slots: int = 0):
         """``micro_batches``: 2 to have two layers in flight at once (two-batch overlap:
         ``dispatch(micro_batch=i)``), each on a slot of its own at every server.
-        ``load_window``: steps per load window; ``load_sinks``: called with each one."""
+        ``load_window``: steps per load window; ``load_sinks``: called with each one.
+        ``adapter_slots``: expert ids per MoE layer past the model's, for ESFT adapters'
+        experts (``esft``: their rerouting, then)."""
         self.info, self.result_timeout, self.poll_spin = info, result_timeout, poll_spin
         self.micro_batches = micro_batches
         self.dispatched = [0] * micro_batches  # MoE layers sent, per micro-batch
         self.metrics = metrics or TierMetrics()
         self.tier = ClientTier(TierSettings(tuple(addresses), monitor, heartbeat, result_timeout,
                                             transport, expected_experts, wait_for_experts,
-                                            micro_batches=micro_batches),
+                                            micro_batches=micro_batches,
+                                            adapter_slots=adapter_slots),
                                info, model, dtype, name, self.metrics)
         self._lock = threading.Lock()  # the view in use, the staged one, in_step
         self._staged: View | None = None
@@ -81,6 +86,7 @@ class EaasClient:
         self.load = LoadRecorder(name, info.moe_layers, info.num_experts, load_window,
                                  load_sinks)
         self.tier.load = self.load.message  # the heartbeat's load: the last window
+        self.esft = AdapterRouting(info.moe_layers, info.num_experts) if adapter_slots else None
         self.view = self.tier.start()
         self._install(self.view)
         self.tier.on_view = self._offer
@@ -189,6 +195,11 @@ class EaasClient:
         return self.view
 
     # -- the data path ---------------------------------------------------------------------
+    def reroute(self, layer_id: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The step's ``topk_ids`` (all its rows) with each ESFT adapter token's experts
+        replaced by its adapter's (``esft/routing.py``); as given without adapters."""
+        return topk_ids if self.esft is None else self.esft.reroute(layer_id, topk_ids)
+
     def forward(self, layer_id: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
         """``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` computed by the expert servers:

@@ -48,6 +48,11 @@ class ServerConnection:
                 self.layout = reply.layout
                 self.experts: list[int] = reply.experts  # held in at least one layer
                 self.layer_experts: dict[int, list[int]] = reply.layer_experts
+                # which of them are ESFT adapter experts: layer -> physical -> (adapter,
+                # base expert, digest)
+                self.adapter_experts: dict[int, dict[int, tuple]] = {
+                    int(layer): {int(p): tuple(v) for p, v in held.items()}
+                    for layer, held in reply.adapter_experts.items()}
                 self.moe_layers: list[int] = reply.moe_layers
                 if self.region is None:  # every slot of a server is in its one region
                     handle = RegionHandle.from_dict(reply.region)

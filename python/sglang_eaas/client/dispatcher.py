@@ -75,7 +75,8 @@ class EaasDispatcher(BaseDispatcher):
     def dispatch_a(self, hidden_states: torch.Tensor, topk_output: Any,
                    tbo_subbatch_index: int | None = None) -> None:
         micro_batch = tbo_subbatch_index or 0
-        ids, weights = topk_output.topk_ids, topk_output.topk_weights
+        ids, weights = self.client.reroute(self.layer_id, topk_output.topk_ids), \
+            topk_output.topk_weights
         tokens, rank, ranks = hidden_states.shape[0], self.tp_rank, self.tp_size
         share = slice(tokens * rank // ranks, tokens * (rank + 1) // ranks)
         if ranks > 1:  # every rank names every row that cannot be done

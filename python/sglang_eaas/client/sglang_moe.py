@@ -50,7 +50,8 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
                              heartbeat=cfg.heartbeat, result_timeout=cfg.result_timeout,
                              metrics=metrics,
                              micro_batches=2 if overlapped(server_args) else 1,
-                             load_window=cfg.load_window, load_sinks=sinks)
+                             load_window=cfg.load_window, load_sinks=sinks,
+                             adapter_slots=cfg.adapter_slots(info.num_experts))
         atexit.register(_client.close)  # atexit runs it first: its last window, then the sinks
         logger.info("sglang-eaas: %s joined expert servers %s over %s%s (monitor %s, routing "
                     "table epoch %d)", name, ", ".join(c.address for c in _client.connections),

@@ -79,6 +79,7 @@ class TierSettings:
     wait_for_experts: float = 30.0  # seconds to wait at start until every expert has a holder
     token: str | None = field(default=None, repr=False)
     micro_batches: int = 1  # slots per server: 2 with two-batch overlap (one per micro-batch)
+    adapter_slots: int = 0  # expert ids per MoE layer past the model's, for ESFT adapters
 
 
 class ClientTier:
@@ -144,6 +145,10 @@ class ClientTier:
         self._rejoins.start()
         return view
 
+    def token(self) -> str:
+        """The shared secret of the expert servers' control endpoints."""
+        return self._token()
+
     def _token(self) -> str:
         from sglang_eaas import envs
 
@@ -185,10 +190,21 @@ class ClientTier:
         with self._lock:
             self._epoch += 1
             conns = dict(self._conns)
-            table = RoutingTable.build(self._epoch, {s: c.layer_experts for s, c in conns.items()},
-                                       list(self.info.moe_layers), self.info.num_experts,
-                                       allow_missing=True)
+            table = self._table(self._epoch, conns)
             return View(table, conns)
+
+    def _table(self, epoch: int, conns: Mapping[str, ServerConnection]) -> RoutingTable:
+        """The routing table of ``conns``' holdings (ids past the model's experts: ESFT
+        adapter slots, ``TierSettings.adapter_slots`` per layer; an adapter expert past them,
+        placed by a client with more slots, is not this client's to use)."""
+        size = self.info.num_experts + self.settings.adapter_slots
+        return RoutingTable.build(epoch, {s: {layer: [e for e in ids if e < size]
+                                              for layer, ids in c.layer_experts.items()}
+                                          for s, c in conns.items()},
+                                  list(self.info.moe_layers), size,
+                                  allow_missing=True, base_experts=self.info.num_experts,
+                                  adapter_experts={s: c.adapter_experts
+                                                   for s, c in conns.items()})
 
     def live_connections(self) -> dict[str, ServerConnection]:
         with self._lock:
@@ -213,11 +229,12 @@ class ClientTier:
                     conn.incarnation = m.incarnation  # joined before it had registered
                     continue
                 if m is not None and m.incarnation == conn.incarnation and m.status == SERVING:
-                    holdings = m.holdings()
-                    if holdings != conn.layer_experts:  # a replica added or dropped
+                    holdings, adapters = m.holdings(), m.adapter_holdings()
+                    if (holdings, adapters) != (conn.layer_experts, conn.adapter_experts):
+                        # a replica (or an adapter's experts) added or dropped
                         logger.info("sglang-eaas: expert server %s now holds experts per MoE "
                                     "layer %s", sid, holdings)
-                        conn.layer_experts = holdings
+                        conn.layer_experts, conn.adapter_experts = holdings, adapters
                         self.stats["holdings_changes"] += 1
                     continue
                 why = ("draining" if m is not None and m.status != SERVING else
@@ -279,9 +296,7 @@ class ClientTier:
         self.stats["drops"] += 1
         if lost:
             self.metrics.failover(conn.address)
-        orphans = RoutingTable.build(0, {s: c.layer_experts for s, c in self._conns.items()},
-                                     list(self.info.moe_layers), self.info.num_experts,
-                                     allow_missing=True).missing
+        orphans = self._table(0, self._conns).missing
         log = logger.info if why == "draining" else logger.warning
         log("sglang-eaas: expert server %s leaves the table (%s); its experts go to their other "
             "holders%s", conn.address, why,

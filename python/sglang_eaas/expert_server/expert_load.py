@@ -45,9 +45,20 @@ class ExpertLoad:
                          torch.zeros(2, layer.w13.shape[0], dtype=torch.int64))
         with self._lock:
             if current is not None:
+                self._grow(layer_id, current.ids)
                 self._folded[layer_id][:, current.ids] += current.load.numpy()
+            self._grow(layer_id, fresh.ids)
             self._current[layer_id] = fresh
         return fresh.load
+
+    def _grow(self, layer_id: int, ids: np.ndarray) -> None:
+        """Under the lock: room for ``ids`` (ESFT adapter experts' physical ids pass the
+        model's expert count)."""
+        folded = self._folded[layer_id]
+        if ids.size and ids.max() >= folded.shape[1]:
+            grown = np.zeros((2, int(ids.max()) + 1), dtype=np.int64)
+            grown[:, :folded.shape[1]] = folded
+            self._folded[layer_id] = grown
 
     def _totals(self) -> dict[int, np.ndarray]:
         """``{layer: [2, num_experts]}`` (entries, ns) by global expert id, now."""

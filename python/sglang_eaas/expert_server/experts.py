@@ -95,12 +95,16 @@ def held(layer: LayerExperts) -> list[int]:
 def with_experts(layer: LayerExperts | None, experts: list[int], w13: torch.Tensor,
                  w2: torch.Tensor, num_experts: int) -> LayerExperts:
     """A new ``LayerExperts``: ``layer``'s rows (same local rows), then ``experts`` (rows of
-    ``w13``/``w2``). ``layer`` None: a layer this server did not hold."""
+    ``w13``/``w2``). ``layer`` None: a layer this server did not hold. Ids past
+    ``num_experts`` (ESFT adapter experts' physical ids) grow the local index."""
+    size = max([num_experts, *(e + 1 for e in experts)]
+               + ([] if layer is None else [layer.local_index.numel()]))
     if layer is None:
-        index = torch.full((num_experts,), -1, dtype=torch.long)
+        index = torch.full((size,), -1, dtype=torch.long)
         index[torch.tensor(experts, dtype=torch.long)] = torch.arange(len(experts))
         return LayerExperts(w13.contiguous(), w2.contiguous(), index)
-    index = layer.local_index.clone()
+    index = torch.full((size,), -1, dtype=torch.long)
+    index[:layer.local_index.numel()] = layer.local_index
     index[torch.tensor(experts, dtype=torch.long)] = torch.arange(
         layer.w13.shape[0], layer.w13.shape[0] + len(experts))
     return LayerExperts(torch.cat([layer.w13, w13.to(layer.w13.dtype)]),

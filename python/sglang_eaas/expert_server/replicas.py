@@ -52,6 +52,8 @@ class Replicas:
 
     # -- add --------------------------------------------------------------------------------
     def add(self, request: AddExperts) -> HoldingsChange:
+        if request.adapter:
+            return self.add_adapter(request)
         s = self.server
         layer = request.layer
         self._check_layer(layer, request.experts)
@@ -77,6 +79,81 @@ class Replicas:
                         request.source or "-", len(from_disk), len(back))
             return HoldingsChange(s.holdings[layer], from_peer, from_disk)
 
+    def add_adapter(self, request: AddExperts) -> HoldingsChange:
+        """Hold ESFT adapter experts: physical ids ``request.experts`` (past the model's
+        experts), each replacing ``request.replaces[i]`` for the adapter's requests. Their
+        weights come from the peer ``source`` if it holds the same ones, else from the
+        adapter's files. A physical id this server holds for another adapter expert is
+        refused; one still retiring (an unloaded adapter's) is freed first."""
+        from sglang_eaas.esft.adapter import AdapterError, load_adapter
+
+        s, layer, info = self.server, request.layer, self.server.info
+        if layer not in info.moe_layers:
+            raise ControlError("bad_field", f"layer {layer} is not a MoE layer of this model "
+                               f"(those are {list(info.moe_layers)})")
+        low = [p for p in request.experts if p < info.num_experts]
+        bad = [b for b in request.replaces if b >= info.num_experts]
+        if low or bad:
+            raise ControlError("bad_field", f"adapter experts take physical ids >= "
+                               f"{info.num_experts} and replace base experts < "
+                               f"{info.num_experts}, got ids {low} / base experts {bad}")
+        try:
+            adapter = load_adapter(request.adapter_path, info)
+        except AdapterError as exc:
+            raise ControlError("bad_adapter", str(exc)) from None
+        unknown = [b for b in request.replaces if b not in adapter.experts.get(layer, ())]
+        if unknown:
+            raise ControlError("bad_adapter", f"adapter {request.adapter} does not replace "
+                               f"experts {unknown} of MoE layer {layer}")
+        wanted = {p: (request.adapter, b, adapter.digest(info, layer, b))
+                  for p, b in zip(request.experts, request.replaces)}
+        with self._change:
+            advertised = set(s.holdings.get(layer, ()))
+            have = s.adapter_experts.get(layer, {})
+            taken = [p for p in wanted if p in advertised and have.get(p) != wanted[p]]
+            if taken:
+                raise ControlError("adapter_slot_taken", (
+                    f"expert server {s.address} holds other experts under physical ids "
+                    f"{taken} of MoE layer {layer}"))
+            new = [p for p in wanted if p not in advertised]
+            with self._retiring_lock:
+                stale = [p for p in new if p in self.retiring.get(layer, {})]
+                for p in stale:
+                    del self.retiring[layer][p]
+            if stale:  # an unloaded adapter's rows, still retiring: other weights now
+                s.swap_layer(layer, without_experts(s.layers[layer], stale))
+            from_peer, from_disk = [], []
+            if new:
+                w13, w2, from_peer, from_disk = self._adapter_weights(
+                    layer, new, request, adapter, {p: wanted[p][2] for p in new})
+                s.swap_layer(layer, with_experts(s.layers.get(layer), new, w13, w2,
+                                                 info.num_experts))
+            s.set_holdings(layer, sorted(advertised | set(wanted)),
+                           {p: wanted[p] for p in wanted})
+            s.stats["adapter_experts_added"] += len(new)
+            logger.info("MoE layer %d: now holding adapter %s's experts %s as %s (%d from peer "
+                        "%s, %d from disk)", layer, request.adapter, request.replaces,
+                        request.experts, len(from_peer), request.source or "-", len(from_disk))
+            return HoldingsChange(s.holdings[layer], from_peer, from_disk)
+
+    def _adapter_weights(self, layer: int, physical: list[int], request: AddExperts,
+                         adapter, digests: dict[int, str]
+                         ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        s = self.server
+        if request.source:
+            try:
+                w13, w2 = fetch_from_peer(request.source, s.config.token, layer, physical,
+                                          digests, s.dtype, adapter=True)
+                return w13, w2, list(physical), []
+            except (TransportError, ControlError, ValueError) as exc:
+                s.stats["replica_fetch_fallbacks"] += 1
+                logger.warning("MoE layer %d: could not read adapter experts %s from %s (%s); "
+                               "reading them from %s", layer, physical, request.source, exc,
+                               request.adapter_path)
+        base = [dict(zip(request.experts, request.replaces))[p] for p in physical]
+        w13, w2 = adapter.load_weights(s.info, layer, base, s.dtype)
+        return w13, w2, [], list(physical)
+
     def _weights(self, layer: int, experts: list[int], source: str, digests: dict[int, str]
                  ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
         """``w13 [n, 2I, H]``, ``w2 [n, H, I]`` of ``experts`` in this server's dtype;
@@ -98,7 +175,7 @@ class Replicas:
     def drop(self, request: DropExperts) -> HoldingsChange:
         s = self.server
         layer = request.layer
-        self._check_layer(layer, request.experts)
+        self._check_layer(layer, request.experts, physical=True)
         if s.tier is None:
             raise ControlError("drop_needs_monitor", (
                 f"expert server {s.address} has no monitor, so its clients would not learn "
@@ -161,12 +238,13 @@ class Replicas:
             if done:
                 return
 
-    def _check_layer(self, layer: int, experts: list[int]) -> None:
+    def _check_layer(self, layer: int, experts: list[int], physical: bool = False) -> None:
+        """``physical``: ids past the model's experts (adapter experts) may be named."""
         info = self.server.info
         if layer not in info.moe_layers:
             raise ControlError("bad_field", f"layer {layer} is not a MoE layer of this model "
                                f"(those are {list(info.moe_layers)})")
-        bad = [e for e in experts if e >= info.num_experts]
+        bad = [] if physical else [e for e in experts if e >= info.num_experts]
         if bad:
             raise ControlError("bad_field", f"experts {bad} do not exist: the model has "
                                f"{info.num_experts}")
@@ -192,15 +270,20 @@ def weights_chunk(server: "ExpertServer", request: ExpertWeights) -> WeightsChun
 
 
 def fetch_from_peer(source: str, token: str, layer: int, experts: list[int],
-                    digests: dict[int, str], dtype: torch.dtype
+                    digests: dict[int, str], dtype: torch.dtype, adapter: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``experts``' ``w13``, ``w2`` of ``layer`` from the server at ``source``, as ``dtype``.
+    """``experts``' ``w13``, ``w2`` of ``layer`` from the server at ``source``, as ``dtype``
+    (``adapter``: ESFT adapter experts by physical id, checked against the peer's digests of
+    its adapter experts).
 
     Raises ``TransportError``/``ControlError`` if the peer cannot give them, ``ValueError`` if
     what came is not these experts' weights (another checkpoint, or damaged in transit)."""
     channel = Channel(source, token, FETCH_TIMEOUT)
     try:
-        theirs = channel.call("stats")["stats"].get("expert_digests", {})
+        stats = channel.call("stats")["stats"]
+        theirs = ({p: v[2] for p, v in stats.get("adapter_experts", {}).get(str(layer),
+                                                                           {}).items()}
+                  if adapter else stats.get("expert_digests", {}))
         differ = [e for e in experts if theirs.get(str(e)) != digests[e]]
         if differ:
             raise ValueError(f"{source} holds other weights for experts {differ}")

@@ -86,6 +86,8 @@ class ExpertServer:
         self.holdings = config.holdings(self.info.moe_layers)
         self.experts = sorted({e for ids in self.holdings.values() for e in ids})  # any layer
         self.digests = expert_digests(config.model_path, self.info, self.experts)
+        # ESFT adapter experts held: MoE layer -> physical id -> (adapter, base expert, digest)
+        self.adapter_experts: dict[int, dict[int, tuple[str, int, str]]] = {}
         self.layers: dict[int, LayerExperts] = load_experts(
             config.model_path, self.info, self.holdings, self.dtype)
         self.region_layout = RegionLayout.for_requests(
@@ -173,11 +175,17 @@ class ExpertServer:
         reply = JoinReply(slot=index, region=self.region.handle.to_dict(), base=slot.base,
                           bell=self.region_layout.bell, layout=layout,
                           experts=self.experts, layer_experts=self.holdings,
-                          moe_layers=list(self.info.moe_layers), first_seq=first_seq)
+                          moe_layers=list(self.info.moe_layers), first_seq=first_seq,
+                          adapter_experts=self.adapter_experts_message())
         return reply, member
 
     def layer_experts_message(self) -> dict[str, list[int]]:
         return {str(layer): ids for layer, ids in self.holdings.items()}
+
+    def adapter_experts_message(self) -> dict[str, dict[str, list]]:
+        """``Member.adapter_experts``'s form of ``adapter_experts``."""
+        return {str(layer): {str(p): list(v) for p, v in sorted(experts.items())}
+                for layer, experts in sorted(self.adapter_experts.items()) if experts}
 
     # -- holdings changed while serving (expert_server/replicas.py) -------------------------
     def swap_layer(self, layer: int, experts: LayerExperts | None) -> None:
@@ -203,13 +211,20 @@ class ExpertServer:
         self.layers, self._swaps = layers, {}
         self._swapped.notify_all()
 
-    def set_holdings(self, layer: int, experts: list[int]) -> None:
-        """Say that this server holds ``experts`` in ``layer``: to joining clients, in
-        ``stats``, and to the monitor (whose clients then change their tables)."""
+    def set_holdings(self, layer: int, experts: list[int],
+                     adapter_experts: dict[int, tuple[str, int, str]] | None = None) -> None:
+        """Say that this server holds ``experts`` in ``layer`` (of which ``adapter_experts``
+        are ESFT adapter experts, added to those it had): to joining clients, in ``stats``,
+        and to the monitor (whose clients then change their tables)."""
+        held = set(experts)
+        adapters = {**self.adapter_experts.get(layer, {}), **(adapter_experts or {})}
+        self.adapter_experts = {**self.adapter_experts,
+                                layer: {p: v for p, v in adapters.items() if p in held}}
         self.holdings = {**self.holdings, layer: sorted(experts)}
         self.experts = sorted({e for ids in self.holdings.values() for e in ids})
         if self.tier is not None:
-            self.tier.presence.set_holdings(self.layer_experts_message())
+            self.tier.presence.set_holdings(self.layer_experts_message(),
+                                            self.adapter_experts_message())
 
     def digests_of(self, experts: list[int]) -> dict[int, str]:
         """This server's expert digests with those of ``experts`` too (from the checkpoint,
@@ -223,6 +238,7 @@ class ExpertServer:
                 "fingerprint": self.info.fingerprint(), "pid": os.getpid(),
                 "expert_digests": {str(e): d for e, d in self.digests.items()},
                 "experts": self.experts, "layer_experts": self.layer_experts_message(),
+                "adapter_experts": self.adapter_experts_message(),
                 "num_experts": self.info.num_experts,
                 "clients": self.client_count(), "slots": len(self._active),
                 "expert_load": self.expert_load.message(),

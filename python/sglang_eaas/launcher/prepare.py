@@ -211,7 +211,7 @@ def registered_servers(cfg: EaasConfig, info: MoeModelInfo) -> EaasConfig:
             snapshot = backend.watch(revision, 5.0)
             revision = snapshot.revision
             servers = [m for m in snapshot.servers(fingerprint) if m.status == SERVING]
-            table = RoutingTable.build(0, {m.id: m.holdings() for m in servers},
+            table = RoutingTable.build(0, {m.id: m.base_holdings() for m in servers},
                                        list(info.moe_layers), info.num_experts,
                                        allow_missing=True)
             if not table.missing:

@@ -31,8 +31,9 @@ class MemberSession(ABC):
     def set_status(self, status: str) -> None: ...
 
     @abstractmethod
-    def set_holdings(self, layer_experts: dict) -> None:
-        """A server now holds ``layer_experts`` (``Member.layer_experts``'s form)."""
+    def set_holdings(self, layer_experts: dict, adapter_experts: dict | None = None) -> None:
+        """A server now holds ``layer_experts`` (``Member.layer_experts``'s form), of which
+        ``adapter_experts`` are ESFT adapter experts (``Member.adapter_experts``'s form)."""
 
     @abstractmethod
     def leave(self) -> None: ...

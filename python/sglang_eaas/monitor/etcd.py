@@ -189,8 +189,8 @@ class EtcdSession(MemberSession):
         self._member = self._member.with_status(status)
         self._put(self._member)
 
-    def set_holdings(self, layer_experts: dict) -> None:
-        self._member = self._member.with_holdings(layer_experts)
+    def set_holdings(self, layer_experts: dict, adapter_experts: dict | None = None) -> None:
+        self._member = self._member.with_holdings(layer_experts, adapter_experts or {})
         self._put(self._member)
 
     def leave(self) -> None:

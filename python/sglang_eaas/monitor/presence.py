@@ -113,13 +113,15 @@ class Presence:
             if self._session is not None and self.member is not None:
                 self._session.set_status(status)
 
-    def set_holdings(self, layer_experts: dict) -> None:
-        """A server's experts per MoE layer, now and in every later registration."""
-        self._template = self._template.with_holdings(layer_experts)
+    def set_holdings(self, layer_experts: dict, adapter_experts: dict | None = None) -> None:
+        """A server's experts per MoE layer (and which are adapter experts), now and in every
+        later registration."""
+        adapter_experts = adapter_experts or {}
+        self._template = self._template.with_holdings(layer_experts, adapter_experts)
         with self._lock:
             if self._session is not None and self.member is not None:
-                self._session.set_holdings(layer_experts)
-                self.member = self.member.with_holdings(layer_experts)
+                self._session.set_holdings(layer_experts, adapter_experts)
+                self.member = self.member.with_holdings(layer_experts, adapter_experts)
 
     def close(self) -> None:
         """Leave in order (the monitor tells the others at once) and stop heartbeating."""

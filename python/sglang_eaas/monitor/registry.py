@@ -91,11 +91,14 @@ class Registry:
                 logger.info("%s %s is %s", entry.member.kind, entry.member.id, status)
             return self.revision
 
-    def set_holdings(self, incarnation: str, layer_experts: dict, session: object) -> int:
+    def set_holdings(self, incarnation: str, layer_experts: dict, session: object,
+                     adapter_experts: dict | None = None) -> int:
+        adapter_experts = adapter_experts or {}
         with self._cond:
             entry = self._entry(incarnation, session)
-            if entry.member.layer_experts != layer_experts:
-                entry.member = entry.member.with_holdings(layer_experts)
+            if (entry.member.layer_experts, entry.member.adapter_experts) != (
+                    layer_experts, adapter_experts):
+                entry.member = entry.member.with_holdings(layer_experts, adapter_experts)
                 self._bump()
                 logger.info("%s %s now holds experts per MoE layer %s", entry.member.kind,
                             entry.member.id, layer_experts)

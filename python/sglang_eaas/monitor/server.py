@@ -72,8 +72,10 @@ class MonitorServer:
             raise ControlError("forged_registration", f"server {member.id} registers, but its "
                                f"control endpoint does not answer: {exc}") from None
         claims = {"fingerprint": member.fingerprint, "pid": member.pid,
-                  "layer_experts": member.layer_experts, "num_experts": member.num_experts}
-        found = {key: stats.get(key) for key in claims}
+                  "layer_experts": member.layer_experts, "num_experts": member.num_experts,
+                  "adapter_experts": member.adapter_experts}
+        found = {key: stats.get(key, {} if key == "adapter_experts" else None)
+                 for key in claims}
         if found != claims:
             raise ControlError("forged_registration", f"server {member.id} registers "
                                f"{claims}, but the server at that address has {found}")
@@ -123,9 +125,10 @@ class _Session:
             change = SetHoldings.from_message(message)
             member = registry.member_of(change.incarnation, self)
             if member.kind == SERVER and self.monitor.config.verify_servers:
-                self.monitor.verify(member.with_holdings(change.layer_experts))
+                self.monitor.verify(member.with_holdings(change.layer_experts,
+                                                         change.adapter_experts))
             return {"revision": registry.set_holdings(change.incarnation, change.layer_experts,
-                                                      self)}
+                                                      self, change.adapter_experts)}
         if op == "leave":
             registry.leave(Leave.from_message(message).incarnation, self)
             return {}

@@ -85,8 +85,9 @@ class TcpSession(MemberSession):
     def set_status(self, status: str) -> None:
         self._call("set_status", incarnation=self._incarnation, status=status)
 
-    def set_holdings(self, layer_experts: dict) -> None:
-        self._call("set_holdings", incarnation=self._incarnation, layer_experts=layer_experts)
+    def set_holdings(self, layer_experts: dict, adapter_experts: dict | None = None) -> None:
+        self._call("set_holdings", incarnation=self._incarnation, layer_experts=layer_experts,
+                   adapter_experts=adapter_experts or {})
 
     def leave(self) -> None:
         self._call("leave", incarnation=self._incarnation)

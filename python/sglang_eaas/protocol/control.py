@@ -62,6 +62,7 @@ class JoinReply:
     layer_experts: dict[int, list[int]]  # MoE layer -> experts held there (maybe none)
     moe_layers: list[int]
     first_seq: int  # the client's first request is first_seq + 1 (a fresh range per join)
+    adapter_experts: dict = field(default_factory=dict)  # Member.adapter_experts's form
 
     def to_message(self) -> dict[str, Any]:
         return {**asdict(self), "layout": {**asdict(self.layout), "dtype": int(self.layout.dtype)},
@@ -74,7 +75,8 @@ class JoinReply:
         return cls(message["slot"], message["region"], message["base"], message["bell"],
                    SlotLayout(**layout), list(message["experts"]),
                    {int(layer): list(ids) for layer, ids in message["layer_experts"].items()},
-                   list(message["moe_layers"]), message["first_seq"])
+                   list(message["moe_layers"]), message["first_seq"],
+                   dict(message.get("adapter_experts", {})))
 
 
 @dataclass(frozen=True)
@@ -100,16 +102,28 @@ def _check_experts(layer: int, experts: list[int]) -> None:
 class AddExperts(Message):
     """Hold ``experts`` of MoE ``layer`` too (replicas): their weights are read from the
     expert server ``source`` (its control address) if given, from the checkpoint on disk
-    otherwise or if that fails; the server serves them before it says it holds them."""
+    otherwise or if that fails; the server serves them before it says it holds them.
+
+    With ``adapter``: ``experts`` are physical ids (>= the model's expert count) of the ESFT
+    adapter ``adapter`` (its directory ``adapter_path``), ``replaces[i]`` the base expert that
+    ``experts[i]`` replaces; from disk, the weights come from the adapter's files."""
 
     layer: int
     experts: list[int]
     source: str = ""
+    adapter: str = ""
+    adapter_path: str = ""
+    replaces: list[int] = field(default_factory=list)
 
     op = "add_experts"
 
     def validate(self) -> None:
         _check_experts(self.layer, self.experts)
+        if self.adapter and (not self.adapter_path or len(self.replaces) != len(self.experts)
+                             or any(type(e) is not int or e < 0 for e in self.replaces)):
+            raise ControlError("bad_field", f"an adapter's add names its path and one base "
+                               f"expert per physical expert, got path {shown(self.adapter_path)}"
+                               f", replaces {shown(self.replaces)} for {shown(self.experts)}")
 
 
 @dataclass(frozen=True)

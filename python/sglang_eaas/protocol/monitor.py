@@ -54,6 +54,19 @@ def _check_layer_experts(layer_experts: dict) -> None:
                                f"expert ids, got {shown(layer)}: {shown(ids)}")
 
 
+def _check_adapter_experts(adapter_experts: dict) -> None:
+    """``{str(layer): {str(physical id): [adapter name, base expert, digest]}}``."""
+    for layer, experts in adapter_experts.items():
+        ok = layer.isdigit() and isinstance(experts, dict) and all(
+            physical.isdigit() and isinstance(v, list) and len(v) == 3
+            and isinstance(v[0], str) and type(v[1]) is int and v[1] >= 0
+            and isinstance(v[2], str) for physical, v in experts.items())
+        if not ok:
+            raise ControlError("bad_field", f"adapter_experts maps MoE layer numbers to "
+                               f"{{physical expert id: [adapter, base expert, digest]}}, got "
+                               f"{shown(layer)}: {shown(experts)}")
+
+
 @dataclass(frozen=True)
 class Member(Message):
     """One expert server or attention client, as the monitor knows it."""
@@ -67,6 +80,8 @@ class Member(Message):
     fingerprint: str = ""  # servers: MoeModelInfo.fingerprint() of what they serve
     num_experts: int = 0  # servers: the model's routed experts per MoE layer
     layer_experts: dict = field(default_factory=dict)  # servers: str(MoE layer) -> expert ids
+    # servers: which held experts are ESFT adapter experts (``_check_adapter_experts``)
+    adapter_experts: dict = field(default_factory=dict)
     load: dict = field(default_factory=dict)  # counters from the last heartbeat
     beat_age: float = 0.0  # seconds since the last heartbeat, when a snapshot was taken
 
@@ -84,6 +99,7 @@ class Member(Message):
         if not self.id or len(self.id) > 256:
             raise ControlError("bad_field", "a member id is 1 to 256 characters")
         _check_layer_experts(self.layer_experts)
+        _check_adapter_experts(self.adapter_experts)
 
     def holdings(self) -> dict[int, list[int]]:
         """A server's experts per MoE layer."""
@@ -98,8 +114,22 @@ class Member(Message):
     def with_status(self, status: str) -> "Member":
         return replace(self, status=status)
 
-    def with_holdings(self, layer_experts: dict) -> "Member":
-        return replace(self, layer_experts=layer_experts)
+    def base_holdings(self) -> dict[int, list[int]]:
+        """A server's experts of the model per MoE layer, without ESFT adapter experts
+        (physical ids past the model's experts: the balancer leaves those alone)."""
+        return {layer: [e for e in ids if e < self.num_experts]
+                for layer, ids in self.holdings().items()}
+
+    def adapter_holdings(self) -> dict[int, dict[int, tuple[str, int, str]]]:
+        """A server's adapter experts: MoE layer -> physical id -> (adapter, base, digest)."""
+        return {int(layer): {int(p): tuple(v) for p, v in experts.items()}
+                for layer, experts in self.adapter_experts.items()}
+
+    def with_holdings(self, layer_experts: dict, adapter_experts: dict | None = None
+                      ) -> "Member":
+        return replace(self, layer_experts=layer_experts,
+                       adapter_experts=self.adapter_experts if adapter_experts is None
+                       else adapter_experts)
 
 
 @dataclass(frozen=True)
@@ -164,13 +194,16 @@ class SetStatus(Message):
 
 @dataclass(frozen=True)
 class SetHoldings(Message):
-    """A server's experts per MoE layer changed (``Member.layer_experts``'s form)."""
+    """A server's experts per MoE layer changed (``Member.layer_experts``'s form), and which
+    of them are adapter experts (``Member.adapter_experts``'s form)."""
 
     incarnation: str
     layer_experts: dict
+    adapter_experts: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         _check_layer_experts(self.layer_experts)
+        _check_adapter_experts(self.adapter_experts)
 
 
 @dataclass(frozen=True)

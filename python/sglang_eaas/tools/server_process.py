@@ -105,13 +105,16 @@ class SGLangServer:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 16) -> dict[str, Any]:
-        """Greedy ``/generate``; ``prompt`` is text or token ids."""
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 16,
+                 adapter: str | None = None) -> dict[str, Any]:
+        """Greedy ``/generate``; ``prompt`` is text or token ids; ``adapter``: SGLang's
+        ``lora_path`` (a LoRA or ESFT adapter's name)."""
         key = "text" if isinstance(prompt, str) else "input_ids"
         body = {
             key: prompt,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
                                 "ignore_eos": True},
+            **({"lora_path": adapter} if adapter is not None else {}),
         }
         return self._post("/generate", body)
 

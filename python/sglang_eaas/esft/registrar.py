@@ -1,0 +1,176 @@
+"""Putting an ESFT adapter's experts on the expert servers, and taking them off.
+
+An adapter's experts are more experts of the tier: each gets a *physical id* per MoE layer past
+the model's own (``[E, E + slots)``, the lowest no server holds), and ``replicas`` servers load
+it (``add_experts`` with the adapter's directory: the server reads the weights from the
+adapter's files, checks them and says it holds them, with which adapter and base expert they
+are, in its monitor record). Servers are picked per layer with the fewest experts there, never
+two copies on one server. The adapter is *published* (requests may use it) only once this
+rank's routing table shows every one of its experts held: the physical ids come from the
+table, so a rank that did not place them (another TP rank, another SGLang sharing the tier)
+finds them there. A failed placement is rolled back.
+
+Unloading drops the experts this registrar placed (``drop_experts`` with ``force``: they are
+their adapter's only copies by design; the servers free them after a grace period).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from ibgda import TransportError
+from sglang_eaas.esft.adapter import AdapterError, EsftAdapter
+from sglang_eaas.protocol import control
+from sglang_eaas.protocol.lines import ControlError
+from sglang_eaas.routing_table import RoutingTable
+
+if TYPE_CHECKING:
+    from sglang_eaas.client.client import EaasClient
+
+logger = logging.getLogger(__name__)
+POLL = 0.05  # seconds between looks at the routing table while waiting for it
+DROP_GRACE = 2.0  # seconds servers keep an unloaded adapter's experts for late requests
+
+
+@dataclass
+class Registered:
+    """One adapter on the tier: its experts' physical ids, and which of them this registrar
+    placed (and so drops at unload)."""
+
+    name: str
+    adapter: EsftAdapter
+    mapping: dict[int, dict[int, int]]  # MoE layer -> base expert -> physical id
+    placed: dict[str, dict[int, list[int]]] = field(default_factory=dict)  # server -> layer
+
+
+class Registrar:
+    def __init__(self, client: "EaasClient", token: str, slots: int, replicas: int = 1,
+                 timeout: float = 60.0, orchestrate: bool = True,
+                 say: Callable[[str], None] = logger.info):
+        self.client, self.token, self.slots, self.replicas = client, token, slots, replicas
+        self.timeout, self.orchestrate, self.say = timeout, orchestrate, say
+        self.info = client.info
+
+    # -- load -------------------------------------------------------------------------------
+    def register(self, name: str, adapter: EsftAdapter) -> Registered:
+        """Place ``adapter``'s experts (or find them placed) and wait until this rank's table
+        shows them all; ``AdapterError`` naming what failed."""
+        digests = {layer: {b: adapter.digest(self.info, layer, b) for b in bases}
+                   for layer, bases in adapter.experts.items()}
+        found = self._found(name, digests)
+        if found is not None:
+            self.say(f"ESFT adapter {name}: its {adapter.count} experts are on the expert "
+                     "servers already")
+            return Registered(name, adapter, found)
+        if not self.orchestrate:
+            return Registered(name, adapter, self._wait_found(name, digests))
+        mapping = self._allocate(name, adapter)
+        plan = self._plan(mapping)
+        registered = Registered(name, adapter, mapping)
+        started = time.monotonic()
+        try:
+            for server, layers in plan.items():
+                for layer, pairs in layers.items():
+                    control.call(server, self.token, "add_experts", self.timeout, layer=layer,
+                                 experts=[p for p, _ in pairs], adapter=name,
+                                 adapter_path=str(adapter.path),
+                                 replaces=[b for _, b in pairs])
+                    registered.placed.setdefault(server, {})[layer] = [p for p, _ in pairs]
+            self._wait_found(name, digests, mapping)
+        except (TransportError, ControlError, AdapterError) as exc:
+            self._drop(registered, grace=0.0)
+            raise AdapterError(f"ESFT adapter {name} could not be placed on the expert "
+                               f"servers: {exc}") from None
+        self.say(f"ESFT adapter {name}: {adapter.count} experts placed on "
+                 f"{len(registered.placed)} expert servers in {time.monotonic() - started:.1f}s")
+        return registered
+
+    def _found(self, name: str, digests: dict[int, dict[int, str]]
+               ) -> dict[int, dict[int, int]] | None:
+        """The physical ids of ``name``'s experts if the table holds them all, as these
+        weights; ``AdapterError`` if the tier holds other weights under that name."""
+        table = self.client.table
+        mapping, theirs = table.adapters().get(name, {}), table.adapter_digests(name)
+        other = [(layer, b) for layer, by_base in theirs.items() for b, d in by_base.items()
+                 if digests.get(layer, {}).get(b, d) != d]
+        if other:
+            raise AdapterError(f"the expert servers hold another adapter named {name} (other "
+                               f"weights for layer/expert {other[:4]}); pick another name")
+        if all(b in mapping.get(layer, {}) and self._held(table, layer, mapping[layer][b])
+               for layer, by_base in digests.items() for b in by_base):
+            return {layer: {b: mapping[layer][b] for b in by_base}
+                    for layer, by_base in digests.items()}
+        return None
+
+    @staticmethod
+    def _held(table: RoutingTable, layer: int, physical: int) -> bool:
+        return any(physical in held[layer] for held in table.placement.values())
+
+    def _wait_found(self, name: str, digests: dict[int, dict[int, str]],
+                    expected: dict[int, dict[int, int]] | None = None
+                    ) -> dict[int, dict[int, int]]:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            found = self._found(name, digests)
+            if found is not None and (expected is None or found == expected):
+                return found
+            if time.monotonic() > deadline:
+                raise AdapterError(f"ESFT adapter {name}'s experts did not all appear in the "
+                                   f"routing table within {self.timeout:.0f}s")
+            time.sleep(POLL)
+
+    def _allocate(self, name: str, adapter: EsftAdapter) -> dict[int, dict[int, int]]:
+        """The lowest physical ids of each layer that no server holds."""
+        table, base = self.client.table, self.info.num_experts
+        mapping = {}
+        for layer, bases in adapter.experts.items():
+            used = {e for held in table.placement.values() for e in held[layer] if e >= base}
+            free = [p for p in range(base, base + self.slots) if p not in used]
+            if len(free) < len(bases):
+                raise AdapterError(
+                    f"ESFT adapter {name} needs {len(bases)} expert slots in MoE layer {layer}, "
+                    f"{len(free)} of the {self.slots} there are free; unload an adapter or "
+                    "start with a larger --eaas-esft-slots")
+            mapping[layer] = dict(zip(bases, free))
+        return mapping
+
+    def _plan(self, mapping: dict[int, dict[int, int]]
+              ) -> dict[str, dict[int, list[tuple[int, int]]]]:
+        """server -> layer -> [(physical, base)]: each expert on ``replicas`` servers, those
+        with the fewest experts in its layer first."""
+        table = self.client.table
+        if len(table.servers) < self.replicas:
+            raise AdapterError(f"{self.replicas} copies of each adapter expert were asked for "
+                               f"(--eaas-esft-replicas), the tier has {len(table.servers)} "
+                               "expert servers")
+        count = {(s, layer): len(table.placement[s][layer]) for s in table.servers
+                 for layer in mapping}
+        plan: dict[str, dict[int, list[tuple[int, int]]]] = {}
+        for layer, by_base in mapping.items():
+            for base, physical in by_base.items():
+                chosen = sorted(table.servers, key=lambda s: (count[s, layer], s))
+                for server in chosen[:self.replicas]:
+                    plan.setdefault(server, {}).setdefault(layer, []).append((physical, base))
+                    count[server, layer] += 1
+        return plan
+
+    # -- unload -----------------------------------------------------------------------------
+    def unregister(self, registered: Registered, grace: float = DROP_GRACE) -> None:
+        """Drop the experts this registrar placed for ``registered`` (servers that are gone
+        have dropped them already)."""
+        self._drop(registered, grace)
+        self.say(f"ESFT adapter {registered.name}: unloaded")
+
+    def _drop(self, registered: Registered, grace: float) -> None:
+        for server, layers in registered.placed.items():
+            for layer, physical in layers.items():
+                try:
+                    control.call(server, self.token, "drop_experts", self.timeout,
+                                 layer=layer, experts=physical, force=True, grace=grace)
+                except (TransportError, ControlError) as exc:
+                    logger.warning("ESFT adapter %s: could not drop experts %s of MoE layer %d "
+                                   "from %s: %s", registered.name, physical, layer, server, exc)
+        registered.placed = {}
