@@ -170,6 +170,72 @@ def test_holdings_changes_that_are_refused_or_fall_back(servers, info):
         call(servers[0].address, TOKEN, "expert_weights", layer=layer, expert=7, tensor="w13")
 
 
+def _adapter_expert_sum(adapter, layer: int, x, base_ids, weights):
+    """``sum_k w * expert(x)`` with the adapter's experts, read straight from its file."""
+    from safetensors import safe_open
+
+    out = torch.zeros_like(x)
+    with safe_open(adapter / "adapter.safetensors", "pt") as f:
+        for k, base in enumerate(base_ids):
+            gate, up, down = (f.get_tensor(f"model.layers.{layer}.mlp.experts.{base}.{p}.weight")
+                              .float() for p in ("gate_proj", "up_proj", "down_proj"))
+            hidden = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
+            out += weights[:, k:k + 1] * (hidden @ down.T)
+    return out
+
+
+def test_adapter_experts_added_served_copied_and_refused(servers, client_of, monitor, info,
+                                                         tiny_qwen3, tmp_path):
+    """ESFT adapter experts under physical ids past the model's: loaded from the adapter's
+    file, described in stats and the monitor record, in the client's table as the adapter's
+    map, computed with the adapter's weights, copied from a peer; the refusals."""
+    layer, e = info.moe_layers[0], info.num_experts
+    adapter = tmp_path / "adapter"
+    subprocess.run([sys.executable, "-m", "sglang_eaas.tools.esft", "random", str(tiny_qwen3),
+                    str(adapter), "--experts", f'{{"{layer}": [2, 5]}}'], check=True,
+                   capture_output=True)
+    client = EaasClient([s.address for s in servers], info, ModelIdentity.of(tiny_qwen3),
+                        torch.float32, "esft", monitor=monitor.address, heartbeat=HEARTBEAT,
+                        adapter_slots=4)
+    try:
+        add = dict(layer=layer, adapter="a", adapter_path=str(adapter))
+        reply = call(servers[1].address, TOKEN, "add_experts", experts=[e, e + 1],
+                     replaces=[2, 5], **add)
+        assert reply["from_disk"] == [e, e + 1]
+        described = probe(servers[1].address, TOKEN)["adapter_experts"][str(layer)]
+        assert {p: v[:2] for p, v in described.items()} == {str(e): ["a", 2],
+                                                            str(e + 1): ["a", 5]}
+        wait_until(lambda: client.table.adapters() == {"a": {layer: {2: e, 5: e + 1}}}, 10,
+                   "the adapter's map in the client's table")
+        x, _, w = routed_batch(info, 6, seed=3)
+        ids = torch.tensor([[e, e + 1]] * 6)[:, :info.top_k]
+        out, failed = one_step(client, layer, x, ids, w[:, :ids.shape[1]])
+        assert not failed
+        reference = _adapter_expert_sum(adapter, layer, x, [2, 5], w[:, :ids.shape[1]])
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+        reply = call(servers[2].address, TOKEN, "add_experts", experts=[e, e + 1],
+                     replaces=[2, 5], source=servers[1].address, **add)
+        assert reply["from_peer"] == [e, e + 1]
+        for fields, reason in (
+                (dict(experts=[1], replaces=[2]), "physical ids >= "),
+                (dict(experts=[e], replaces=[5]), "holds other experts under physical ids"),
+                (dict(experts=[e + 2], replaces=[3]), "does not replace experts \\[3\\]"),
+                (dict(experts=[e + 2], replaces=[2], adapter_path=str(tmp_path)),
+                 "expert_config.json")):
+            with pytest.raises(Refused, match=reason):
+                call(servers[1].address, TOKEN, "add_experts", **{**add, **fields})
+        call(servers[1].address, TOKEN, "drop_experts", layer=layer, experts=[e, e + 1],
+             grace=0.0)
+        assert str(layer) not in probe(servers[1].address, TOKEN)["adapter_experts"]
+        wait_until(lambda: client.table.adapters() == {"a": {layer: {2: e, 5: e + 1}}}
+                   and servers[1].address not in {s for s, held in client.table.placement
+                                                   .items() if e in held[layer]}, 10,
+                   "the table without server 1's copies")
+    finally:
+        client.close()
+
+
 def test_a_client_that_never_learns_of_a_drop(servers, client_of, info, hf_experts):
     """A client without the monitor keeps its old table; once the server has freed the
     experts it refuses them (FOREIGN_EXPERT), the client waits for a newer table, gets
