@@ -273,6 +273,23 @@ def test_an_unload_waits_for_the_requests_using_the_adapter(eaas, expected, adap
     assert _unload(eaas, "twin-b").json()["success"]
 
 
+def test_tensor_parallel_ranks_find_the_experts_rank_0_placed(expected, adapters):
+    """--tp 2: rank 0 places each adapter's experts, rank 1 finds them in its table; both
+    reroute their share of the tokens the same way."""
+    names = [TRAINED[0].name, "twin-b"]
+    server = start_server(MODEL, "--tp", "2", "--eaas", "--eaas-expert-servers", "local:2",
+                          "--eaas-esft-adapters",
+                          ",".join(f"{n}={adapters[n]}" for n in names), name="esft-tp2")
+    try:
+        assert _tokens(server) == expected[None]
+        for name in names:
+            assert _tokens(server, name) == expected[name], name
+    finally:
+        server.stop()
+    log = (CACHE / "logs" / "test" / "esft-tp2.log").read_text()
+    assert log.count("experts placed on") == len(names)  # by rank 0 only
+
+
 def test_a_server_holding_adapter_experts_killed(eaas, expected, adapters):
     """Runs last: one of the three expert servers is killed while adapter requests run; every
     adapter expert has another copy, so no request fails and no token changes."""

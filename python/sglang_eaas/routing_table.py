@@ -30,7 +30,7 @@ class RoutingTable:
     num_experts: int  # expert ids per layer: the model's, then ESFT adapter experts' slots
     placement: Mapping[str, Mapping[int, tuple[int, ...]]]  # what ``build`` was given, sorted
     base_experts: int = 0  # the model's experts (0: all ``num_experts`` are)
-    adapter_experts: AdapterHoldings = None  # what ``build`` was given
+    adapter_experts: AdapterHoldings | None = None  # what ``build`` was given
 
     @classmethod
     def build(cls, epoch: int, holdings: Holdings, moe_layers: list[int], num_experts: int,

@@ -62,8 +62,8 @@ class Registrar:
                    for layer, bases in adapter.experts.items()}
         found = self._found(name, digests)
         if found is not None:
-            self.say(f"ESFT adapter {name}: its {adapter.count} experts are on the expert "
-                     "servers already")
+            self.say(f"sglang-eaas: ESFT adapter {name}: its {adapter.count} experts are on the "
+                     "expert servers already")
             return Registered(name, adapter, found)
         if not self.orchestrate:
             return Registered(name, adapter, self._wait_found(name, digests))
@@ -84,7 +84,7 @@ class Registrar:
             self._drop(registered, grace=0.0)
             raise AdapterError(f"ESFT adapter {name} could not be placed on the expert "
                                f"servers: {exc}") from None
-        self.say(f"ESFT adapter {name}: {adapter.count} experts placed on "
+        self.say(f"sglang-eaas: ESFT adapter {name}: {adapter.count} experts placed on "
                  f"{len(registered.placed)} expert servers in {time.monotonic() - started:.1f}s")
         return registered
 
@@ -95,7 +95,7 @@ class Registrar:
         table = self.client.table
         mapping, theirs = table.adapters().get(name, {}), table.adapter_digests(name)
         other = [(layer, b) for layer, by_base in theirs.items() for b, d in by_base.items()
-                 if digests.get(layer, {}).get(b, d) != d]
+                 if digests.get(layer, {}).get(b) != d]
         if other:
             raise AdapterError(f"the expert servers hold another adapter named {name} (other "
                                f"weights for layer/expert {other[:4]}); pick another name")
@@ -162,7 +162,7 @@ class Registrar:
         """Drop the experts this registrar placed for ``registered`` (servers that are gone
         have dropped them already)."""
         self._drop(registered, grace)
-        self.say(f"ESFT adapter {registered.name}: unloaded")
+        self.say(f"sglang-eaas: ESFT adapter {registered.name}: unloaded")
 
     def _drop(self, registered: Registered, grace: float) -> None:
         for server, layers in registered.placed.items():
