@@ -217,6 +217,16 @@ def test_adapter_experts_added_served_copied_and_refused(servers, client_of, mon
         reply = call(servers[2].address, TOKEN, "add_experts", experts=[e, e + 1],
                      replaces=[2, 5], source=servers[1].address, **add)
         assert reply["from_peer"] == [e, e + 1]
+        # a copy asked for by physical id alone, as for the model's experts: the peer says
+        # what it is
+        reply = call(servers[0].address, TOKEN, "add_experts", layer=layer, experts=[e + 1],
+                     source=servers[2].address)
+        assert reply["from_peer"] == [e + 1]
+        described = probe(servers[0].address, TOKEN)["adapter_experts"][str(layer)]
+        assert described[str(e + 1)][:2] == ["a", 5]
+        with pytest.raises(Refused, match="holds no adapter expert"):
+            call(servers[0].address, TOKEN, "add_experts", layer=layer, experts=[e + 3],
+                 source=servers[2].address)
         for fields, reason in (
                 (dict(experts=[1], replaces=[2]), "physical ids >= "),
                 (dict(experts=[e], replaces=[5]), "holds other experts under physical ids"),

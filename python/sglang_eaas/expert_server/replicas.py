@@ -29,6 +29,7 @@ from sglang_eaas.protocol.control import (
     WEIGHT_CHUNK, WEIGHT_TENSORS, AddExperts, DropExperts, ExpertWeights, HoldingsChange,
     WeightsChunk,
 )
+from sglang_eaas.protocol.control import call as control_call
 from sglang_eaas.protocol.lines import Channel, ControlError
 from sglang_eaas.protocol.slot import DTYPE_NAMES, DTYPES_BY_NAME
 
@@ -54,6 +55,8 @@ class Replicas:
     def add(self, request: AddExperts) -> HoldingsChange:
         if request.adapter:
             return self.add_adapter(request)
+        if any(e >= self.server.info.num_experts for e in request.experts):
+            return self.add_described(request)
         s = self.server
         layer = request.layer
         self._check_layer(layer, request.experts)
@@ -128,6 +131,7 @@ class Replicas:
                     layer, new, request, adapter, {p: wanted[p][2] for p in new})
                 s.swap_layer(layer, with_experts(s.layers.get(layer), new, w13, w2,
                                                  info.num_experts))
+            s.adapter_paths[request.adapter] = request.adapter_path
             s.set_holdings(layer, sorted(advertised | set(wanted)),
                            {p: wanted[p] for p in wanted})
             s.stats["adapter_experts_added"] += len(new)
@@ -135,6 +139,41 @@ class Replicas:
                         "%s, %d from disk)", layer, request.adapter, request.replaces,
                         request.experts, len(from_peer), request.source or "-", len(from_disk))
             return HoldingsChange(s.holdings[layer], from_peer, from_disk)
+
+    def add_described(self, request: AddExperts) -> HoldingsChange:
+        """Copies of adapter experts (physical ids) that the peer ``source`` holds: what they
+        are (adapter, its directory, base expert) comes from the peer's ``stats``, so they can
+        be replicated and moved like the model's experts, given a holder."""
+        info, layer = self.server.info, request.layer
+        if any(e < info.num_experts for e in request.experts) or not request.source:
+            raise ControlError("bad_field", (
+                f"experts {[e for e in request.experts if e >= info.num_experts]} do not exist "
+                f"in the model (it has {info.num_experts}); adapter experts' physical ids are "
+                "added from a peer that holds them (source), apart from the model's own"))
+        try:
+            stats = control_call(request.source, self.server.config.token, "stats",
+                                 FETCH_TIMEOUT)["stats"]
+        except TransportError as exc:
+            raise ControlError("bad_field", f"cannot ask {request.source} what experts "
+                               f"{request.experts} are: {exc}") from None
+        described = stats.get("adapter_experts", {}).get(str(layer), {})
+        unknown = [e for e in request.experts if str(e) not in described]
+        if unknown:
+            raise ControlError("bad_field", f"{request.source} holds no adapter expert "
+                               f"{unknown} in MoE layer {layer}")
+        by_adapter: dict[str, list[int]] = {}
+        for e in request.experts:
+            by_adapter.setdefault(described[str(e)][0], []).append(e)
+        change = None
+        for name, physical in by_adapter.items():
+            path = stats.get("adapter_paths", {}).get(name, "")
+            added = self.add_adapter(AddExperts(
+                layer, physical, request.source, name, path,
+                [described[str(e)][1] for e in physical]))
+            change = added if change is None else HoldingsChange(
+                added.layer_experts, change.from_peer + added.from_peer,
+                change.from_disk + added.from_disk)
+        return change
 
     def _adapter_weights(self, layer: int, physical: list[int], request: AddExperts,
                          adapter, digests: dict[int, str]

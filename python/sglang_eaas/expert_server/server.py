@@ -88,6 +88,7 @@ class ExpertServer:
         self.digests = expert_digests(config.model_path, self.info, self.experts)
         # ESFT adapter experts held: MoE layer -> physical id -> (adapter, base expert, digest)
         self.adapter_experts: dict[int, dict[int, tuple[str, int, str]]] = {}
+        self.adapter_paths: dict[str, str] = {}  # adapter -> its directory (for copies)
         self.layers: dict[int, LayerExperts] = load_experts(
             config.model_path, self.info, self.holdings, self.dtype)
         self.region_layout = RegionLayout.for_requests(
@@ -239,6 +240,7 @@ class ExpertServer:
                 "expert_digests": {str(e): d for e, d in self.digests.items()},
                 "experts": self.experts, "layer_experts": self.layer_experts_message(),
                 "adapter_experts": self.adapter_experts_message(),
+                "adapter_paths": dict(self.adapter_paths),
                 "num_experts": self.info.num_experts,
                 "clients": self.client_count(), "slots": len(self._active),
                 "expert_load": self.expert_load.message(),
