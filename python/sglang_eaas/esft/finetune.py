@@ -33,7 +33,8 @@ from sglang_eaas.esft.hf import apply_adapter, routed_experts
 from sglang_eaas.esft.relevance import SCORES, expert_scores, select_experts
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.tools.train_tiny_moe import (
-    HELD_OUT_MOD, cosine_lr, read_text, run_windows, split_corpus, stdlib_root, token_stream,
+    HELD_OUT_MOD, WindowBatches, cosine_lr, out_of_time, read_text, run_windows, split_corpus,
+    stdlib_root, token_stream,
 )
 
 DEFAULT_TOP_P = 0.2  # ESFT's own default; 2-3 of 32 experts per layer on tiny-moe-stdlib
@@ -170,24 +171,17 @@ def train_adapter(model_path: Path, out: Path, spec: EsftSpec, threads: int = 2,
     model.train()
     opt = torch.optim.AdamW(trainable, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.0)
-    gen = torch.Generator().manual_seed(spec.seed)
-    order = torch.randperm(n_windows, generator=gen)
-    cursor, steps_run, stopped_early, losses = 0, 0, False, []
+    batches = WindowBatches(train_ids, spec.seq_len, spec.batch, spec.seed)
+    steps_run, stopped_early, losses = 0, False, []
     params = count * 3 * info.hidden_size * info.moe_intermediate_size
     log(f"[3/5] training {count} experts ({params / 1e6:.2f}M parameters): {spec.steps} steps "
         f"of {spec.batch} x {spec.seq_len} tokens, {threads} threads")
     t0 = time.monotonic()
     for step in range(spec.steps):
-        if minutes > 0 and time.monotonic() - t0 > minutes * 60:
+        if out_of_time(t0, minutes, step, spec.steps, log):
             stopped_early = True
-            log(f"warning: --minutes {minutes} reached after {step} of {spec.steps} steps; "
-                "this run is not reproducible by --steps alone")
             break
-        if cursor + spec.batch > n_windows:
-            order, cursor = torch.randperm(n_windows, generator=gen), 0
-        idx = order[cursor: cursor + spec.batch]
-        cursor += spec.batch
-        x = torch.stack([train_ids[i * spec.seq_len: (i + 1) * spec.seq_len + 1] for i in idx])
+        x = batches.next()
         lr = cosine_lr(spec.lr, spec.warmup, spec.steps, step)
         for group in opt.param_groups:
             group["lr"] = lr

@@ -209,6 +209,41 @@ def lr_at(spec: TrainSpec, step: int) -> float:
     return cosine_lr(spec.lr, spec.warmup, spec.steps, step)
 
 
+class WindowBatches:
+    """Training batches: ``batch`` windows of ``seq_len + 1`` consecutive tokens of ``stream``
+    each, in a seeded order drawn again whenever it runs out (the same seed, the same
+    batches)."""
+
+    def __init__(self, stream, seq_len: int, batch: int, seed: int):
+        import torch
+
+        self.stream, self.seq_len, self.batch = stream, seq_len, batch
+        self.count = (stream.numel() - 1) // seq_len
+        self._gen = torch.Generator().manual_seed(seed)
+        self._order = torch.randperm(self.count, generator=self._gen)
+        self._cursor = 0
+
+    def next(self):
+        """``[batch, seq_len + 1]`` token ids."""
+        import torch
+
+        if self._cursor + self.batch > self.count:
+            self._order, self._cursor = torch.randperm(self.count, generator=self._gen), 0
+        idx = self._order[self._cursor:self._cursor + self.batch]
+        self._cursor += self.batch
+        return torch.stack([self.stream[i * self.seq_len:(i + 1) * self.seq_len + 1]
+                            for i in idx])
+
+
+def out_of_time(t0: float, minutes: float, step: int, steps: int, log) -> bool:
+    """Whether the ``--minutes`` safety net ends the run before ``step`` (said once)."""
+    if minutes > 0 and time.monotonic() - t0 > minutes * 60:
+        log(f"warning: --minutes {minutes} reached after {step} of {steps} steps; this run is "
+            "not reproducible by --steps alone")
+        return True
+    return False
+
+
 def cosine_lr(lr: float, warmup: int, steps: int, step: int) -> float:
     """The learning rate of ``step``: linear warmup to ``lr`` over ``warmup`` steps, then cosine
     decay to a tenth of it at ``steps``."""
@@ -336,25 +371,16 @@ def train(out: Path, spec: TrainSpec, threads: int, minutes: float, log=_log,
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    gen = torch.Generator().manual_seed(spec.seed)
-    order = torch.randperm(n_windows, generator=gen)
-    cursor = 0
+    batches = WindowBatches(train_ids, spec.seq_len, spec.batch, spec.seed)
     t0 = time.monotonic()
     done_tokens = 0
     stopped_early = False
     steps_run = 0
     for step in range(spec.steps):
-        if minutes > 0 and time.monotonic() - t0 > minutes * 60:
+        if out_of_time(t0, minutes, step, spec.steps, log):
             stopped_early = True
-            log(f"warning: --minutes {minutes} reached after {step} of {spec.steps} steps; "
-                "this run is not reproducible by --steps alone")
             break
-        if cursor + spec.batch > n_windows:
-            order = torch.randperm(n_windows, generator=gen)
-            cursor = 0
-        idx = order[cursor: cursor + spec.batch]
-        cursor += spec.batch
-        x = torch.stack([train_ids[i * spec.seq_len: (i + 1) * spec.seq_len + 1] for i in idx])
+        x = batches.next()
         for group in opt.param_groups:
             group["lr"] = lr_at(spec, step)
         out_ = model(input_ids=x[:, :-1], output_router_logits=True)
