@@ -1,7 +1,8 @@
 """A closed loop of streaming ``/generate`` requests: each of ``concurrency`` workers sends one
 greedy request (``ignore_eos``), reads its streamed chunks, records each token's arrival time,
 and sends the next when it ends, for ``duration`` seconds. What the throughput, TPOT and
-longest-wait numbers of ``bench_faults`` and ``bench_balance`` are computed from."""
+longest-wait numbers of ``bench_faults``, ``bench_balance`` and ``bench_esft`` are computed
+from."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import requests
 
 @dataclass
 class Run:
-    """Every token's arrival (``perf_counter``), per request; the requests that ran to their
-    length; the ones that failed before the loop stopped (their finish reason, cut short)."""
+    """Every token's arrival (``perf_counter``), per request, and when the request was sent
+    (``sent[i]`` is ``arrivals[i]``'s); the requests that ran to their length; the ones that
+    failed before the loop stopped (their finish reason, cut short)."""
 
     started: float
     arrivals: list[list[float]] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)
     finished: list[list[float]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -28,20 +31,22 @@ class Run:
 
 def closed_loop(url: str, prompt_of: Callable[[int, int], str | list[int]], output_len: int,
                 concurrency: int, duration: float,
-                during: Callable[[Run], None] = lambda run: None) -> Run:
+                during: Callable[[Run], None] = lambda run: None,
+                fields_of: Callable[[int, int], dict] = lambda worker, n: {}) -> Run:
     """``prompt_of(worker, n)``: the prompt (text or token ids) of a worker's ``n``-th request;
-    ``during(run)`` runs meanwhile, in a thread of its own (faults, moves)."""
+    ``during(run)`` runs meanwhile, in a thread of its own (faults, moves); ``fields_of(worker,
+    n)``: more fields of that request's body (e.g. ``lora_path``: an adapter)."""
     run, stop = Run(time.perf_counter()), threading.Event()
 
     def loop(worker: int) -> None:
         n = 0
         while not stop.is_set():
-            prompt = prompt_of(worker, n)
+            prompt, fields = prompt_of(worker, n), fields_of(worker, n)
             n += 1
             body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "stream": True,
                     "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0,
-                                        "ignore_eos": True}}
-            times, reason = [], None
+                                        "ignore_eos": True}, **fields}
+            times, reason, sent = [], None, time.perf_counter()
             try:
                 with requests.post(f"{url}/generate", json=body, stream=True,
                                    timeout=120) as response:
@@ -58,6 +63,7 @@ def closed_loop(url: str, prompt_of: Callable[[int, int], str | list[int]], outp
                 reason = {"type": "error", "message": str(exc)}
             with run.lock:
                 run.arrivals.append(times)
+                run.sent.append(sent)
                 if (reason or {}).get("type") == "length":
                     run.finished.append(times)
                 elif not stop.is_set():
