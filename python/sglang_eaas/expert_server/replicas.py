@@ -19,7 +19,7 @@ import hashlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -70,8 +70,13 @@ class Replicas:
             from_peer, from_disk = [], []
             if new:
                 digests = s.digests_of(new)
-                w13, w2, from_peer, from_disk = self._weights(layer, new, request.source,
-                                                              digests)
+
+                def disk() -> tuple[torch.Tensor, torch.Tensor]:
+                    loaded = load_experts(s.config.model_path, s.info, {layer: new}, s.dtype)
+                    return loaded[layer].w13, loaded[layer].w2
+
+                w13, w2, from_peer, from_disk = self._weights(
+                    layer, new, request.source, digests, disk, s.config.model_path)
                 s.swap_layer(layer, with_experts(s.layers.get(layer), new, w13, w2,
                                                  s.info.num_experts))
                 s.digests = digests
@@ -91,9 +96,7 @@ class Replicas:
         from sglang_eaas.esft.adapter import AdapterError, load_adapter
 
         s, layer, info = self.server, request.layer, self.server.info
-        if layer not in info.moe_layers:
-            raise ControlError("bad_field", f"layer {layer} is not a MoE layer of this model "
-                               f"(those are {list(info.moe_layers)})")
+        self._check_layer(layer, request.experts, physical=True)
         low = [p for p in request.experts if p < info.num_experts]
         bad = [b for b in request.replaces if b >= info.num_experts]
         if low or bad:
@@ -127,8 +130,11 @@ class Replicas:
                 s.swap_layer(layer, without_experts(s.layers[layer], stale))
             from_peer, from_disk = [], []
             if new:
-                w13, w2, from_peer, from_disk = self._adapter_weights(
-                    layer, new, request, adapter, {p: wanted[p][2] for p in new})
+                bases = [wanted[p][1] for p in new]
+                w13, w2, from_peer, from_disk = self._weights(
+                    layer, new, request.source, {p: wanted[p][2] for p in new},
+                    lambda: adapter.load_weights(info, layer, bases, s.dtype),
+                    request.adapter_path, adapter=True)
                 s.swap_layer(layer, with_experts(s.layers.get(layer), new, w13, w2,
                                                  info.num_experts))
             s.adapter_paths[request.adapter] = request.adapter_path
@@ -175,40 +181,26 @@ class Replicas:
                 change.from_disk + added.from_disk)
         return change
 
-    def _adapter_weights(self, layer: int, physical: list[int], request: AddExperts,
-                         adapter, digests: dict[int, str]
-                         ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-        s = self.server
-        if request.source:
-            try:
-                w13, w2 = fetch_from_peer(request.source, s.config.token, layer, physical,
-                                          digests, s.dtype, adapter=True)
-                return w13, w2, list(physical), []
-            except (TransportError, ControlError, ValueError) as exc:
-                s.stats["replica_fetch_fallbacks"] += 1
-                logger.warning("MoE layer %d: could not read adapter experts %s from %s (%s); "
-                               "reading them from %s", layer, physical, request.source, exc,
-                               request.adapter_path)
-        base = [dict(zip(request.experts, request.replaces))[p] for p in physical]
-        w13, w2 = adapter.load_weights(s.info, layer, base, s.dtype)
-        return w13, w2, [], list(physical)
-
-    def _weights(self, layer: int, experts: list[int], source: str, digests: dict[int, str]
+    def _weights(self, layer: int, experts: list[int], source: str, digests: dict[int, str],
+                 from_disk: Callable[[], tuple[torch.Tensor, torch.Tensor]], disk: str,
+                 adapter: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-        """``w13 [n, 2I, H]``, ``w2 [n, H, I]`` of ``experts`` in this server's dtype;
-        ``digests``: this server's digest of each (a peer's must match)."""
+        """``w13 [n, 2I, H]``, ``w2 [n, H, I]`` of ``experts`` in this server's dtype, from the
+        peer ``source`` (``digests``: this server's digest of each, the peer's must match;
+        ``adapter``: adapter experts by physical id), else ``from_disk()`` (reading ``disk``).
+        Also which came from the peer and which from disk."""
         s = self.server
         if source:
             try:
                 w13, w2 = fetch_from_peer(source, s.config.token, layer, experts, digests,
-                                          s.dtype)
+                                          s.dtype, adapter=adapter)
                 return w13, w2, list(experts), []
             except (TransportError, ControlError, ValueError) as exc:
                 s.stats["replica_fetch_fallbacks"] += 1
                 logger.warning("MoE layer %d: could not read experts %s from %s (%s); reading "
-                               "them from %s", layer, experts, source, exc, s.config.model_path)
-        loaded = load_experts(s.config.model_path, s.info, {layer: experts}, s.dtype)[layer]
-        return loaded.w13, loaded.w2, [], list(experts)
+                               "them from %s", layer, experts, source, exc, disk)
+        w13, w2 = from_disk()
+        return w13, w2, [], list(experts)
 
     # -- drop -------------------------------------------------------------------------------
     def drop(self, request: DropExperts) -> HoldingsChange:
