@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_lib.balance_policies import LABELS, POLICIES, outcome, schedule
+from bench_lib.balance_policies import LABELS, POLICIES, eplb_every, outcome, schedule
 from bench_lib.balance_traces import MIXES, REQUEST_TOKENS, StepTrace
 from bench_lib.report import Report, default_out, save_figure, say
 
@@ -67,6 +67,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=None,
                    help="expert slots per MoE layer per server, the same for every policy; "
                    "default experts / servers + 2")
+    p.add_argument("--eplb-period", type=int, default=1000,
+                   help="decode steps between two rebalances of the eplb-sglang policy, on the "
+                   "load of the steps since the last; default 1000, SGLang's "
+                   "--eplb-rebalance-num-iterations default (its recorder's buffer is as long)")
     p.add_argument("--cv-target", type=float, default=None,
                    help="the scaler's CV target; default the scaler's (0.2)")
     p.add_argument("--measure-windows", type=int, default=8,
@@ -117,8 +121,8 @@ def parse_args() -> argparse.Namespace:
         p.error("--cv-target must be a number >= 0")
     if args.slots is not None and args.slots < 1:
         p.error("--slots must be >= 1")
-    if min(args.servers, args.measure_windows, args.repeat) < 1:
-        p.error("--servers, --measure-windows and --repeat must be >= 1")
+    if min(args.servers, args.measure_windows, args.repeat, args.eplb_period) < 1:
+        p.error("--servers, --measure-windows, --repeat and --eplb-period must be >= 1")
     if (min(args.live_concurrency, args.live_prompt_tokens, args.live_rounds) < 1
             or args.live_output_len < 2 or args.live_duration <= 5):
         p.error("the --live-* numbers must be >= 1 (--live-output-len >= 2, --live-duration > 5)")
@@ -234,7 +238,10 @@ def main() -> int:
         policies = [p for p in POLICIES if p != "predicted" or predicted is not None]
         results[trace.name] = {}
         for policy in policies:
-            placed = schedule(policy, actual, predicted, trace.layers, servers, slots, cv_target)
+            placed = (eplb_every(trace.loads, trace.shift, args.eplb_period, args.window,
+                                 trace.layers, servers, slots) if policy == "eplb-sglang" else
+                      schedule(policy, actual, predicted, trace.layers, servers, slots,
+                               cv_target))
             results[trace.name][policy] = outcome(policy, placed, actual, trace.loads,
                                                   trace.layers, args.window)
         say(f"{trace.name}: {len(actual)} windows placed by {', '.join(policies)}")

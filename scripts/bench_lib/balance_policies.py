@@ -4,8 +4,15 @@ Every policy has the same memory: ``servers`` x ``slots`` expert slots per MoE l
 placement for window ``t`` is decided before window ``t`` from what the policy may know then:
 
 * ``none``: each expert once, round-robin (expert ``e`` on server ``e % N``); never changes.
-* ``eplb``: SGLang's EPLB (``balance.eplb``, its own code) on window ``t-1``'s measured load,
-  as SGLang runs it (two physical copies of one expert on one server stay two).
+* ``eplb-sglang``: SGLang's EPLB (``balance.eplb``, its own code) as SGLang runs it by default:
+  a rebalance every ``eplb_period`` steps (``--eplb-rebalance-num-iterations``, default 1000) on
+  the load of the steps since the last one (its recorder's buffer is that long by default),
+  taking effect from the next window. Before its first rebalance it holds EPLB's placement of
+  the first half's load: SGLang in steady state on the first mix, which favours it (it knows
+  the first half's statistics in advance). Two physical copies of one expert on one server stay
+  two, as SGLang runs them.
+* ``eplb``: SGLang's EPLB on window ``t-1``'s measured load: EPLB given fresh statistics every
+  window, far more often than SGLang rebalances (the strongest EPLB here).
 * ``moeless``: the scaler and placer (``balance_model``, warm from window ``t-1``'s placement)
   on the same measured load as EPLB: the algorithm, not the information, differs.
 * ``predicted``: the scaler and placer on the predictors' load for window ``t`` (each step's
@@ -28,9 +35,10 @@ from sglang_eaas.balance.eplb import eplb_placement
 from sglang_eaas.balance.evaluate import layer_load
 from sglang_eaas.balance.placer import balance_model, moves
 
-POLICIES = ("none", "eplb", "moeless", "predicted", "oracle")
+POLICIES = ("none", "eplb-sglang", "eplb", "moeless", "predicted", "oracle")
 LABELS = {
     "none": "none (even)",
+    "eplb-sglang": "SGLang EPLB at SGLang's cadence (every --eplb-period steps, on the last ones)",
     "eplb": "SGLang EPLB, window t-1",
     "moeless": "MoEless, window t-1",
     "predicted": "MoEless, predicted window t",
@@ -77,10 +85,38 @@ def even(servers: Sequence[str], layers: Sequence[int], num_experts: int) -> Pla
                        for layer in layers} for i, s in enumerate(servers)})
 
 
+def _eplb(load: np.ndarray, layers: Sequence[int], servers: Sequence[str],
+          slots: int) -> Placed:
+    found = eplb_placement(load, layers, servers, slots)
+    copies = {s: {layer: {e: c for e, c in per.items() if c > 1}
+                  for layer, per in by_layer.items()}
+              for s, by_layer in found.copies.items()}
+    return Placed(found.placement, copies)
+
+
+def eplb_every(step_loads: np.ndarray, shift: int, period: int, window: int,
+               layers: Sequence[int], servers: Sequence[str], slots: int) -> list[Placed]:
+    """``eplb-sglang``: a placement per window of ``window`` steps; ``step_loads [S, L, E]``.
+    The rebalance at step ``k * period`` plans on steps ``(k-1) * period .. k * period`` and holds
+    from the first window that starts at or after it; before step ``period``, EPLB's placement
+    of steps ``0 .. shift`` (the first half)."""
+    windows = len(step_loads) // window
+    plans = {0: _eplb(step_loads[:shift].sum(axis=0), layers, servers, slots)}
+    out: list[Placed] = []
+    for t in range(windows):
+        k = (t * window) // period
+        if k not in plans:
+            plans[k] = _eplb(step_loads[(k - 1) * period:k * period].sum(axis=0), layers,
+                             servers, slots)
+        out.append(plans[k])
+    return out
+
+
 def schedule(policy: str, actual: np.ndarray, predicted: Optional[np.ndarray],
              layers: Sequence[int], servers: Sequence[str], slots: int,
              cv_target: float) -> list[Placed]:
-    """The policy's placement for each window; ``actual``/``predicted``: ``[windows, L, E]``."""
+    """The policy's placement for each window; ``actual``/``predicted``: ``[windows, L, E]``.
+    (``eplb-sglang`` needs the step loads: ``eplb_every``.)"""
     start = even(servers, layers, actual.shape[2])
     out: list[Placed] = []
     for t in range(len(actual)):
@@ -89,11 +125,7 @@ def schedule(policy: str, actual: np.ndarray, predicted: Optional[np.ndarray],
             out.append(start)
             continue
         if policy == "eplb":
-            found = eplb_placement(actual[t - 1], layers, servers, slots)
-            copies = {s: {layer: {e: c for e, c in per.items() if c > 1}
-                          for layer, per in by_layer.items()}
-                      for s, by_layer in found.copies.items()}
-            out.append(Placed(found.placement, copies))
+            out.append(_eplb(actual[t - 1], layers, servers, slots))
             continue
         load = {"moeless": lambda: actual[t - 1], "predicted": lambda: predicted[t],
                 "oracle": lambda: actual[t]}[policy]()
