@@ -1,6 +1,7 @@
-"""Benchmark: expert load balancing (issue 12, item 8): no balancing, SGLang's EPLB and
-MoEless's scaler and placer (on past, predicted and actual load) on the same memory, on decode
-traces whose load shifts half-way, then each placement live under SGLang ``--eaas``.
+"""Benchmark: expert load balancing (issue 12, item 8): no balancing, SGLang's EPLB (at SGLang's
+cadence and every window) and MoEless's scaler and placer (on past, predicted and actual load)
+on the same memory, on decode traces whose load shifts half-way, then each placement live under
+SGLang ``--eaas``.
 
 Traces (``bench_lib/balance_traces.py``): recorded from the trained checkpoint
 (models/tiny-moe-stdlib) over one prompt mix then another (``--shifts``; mixes are groups of
@@ -39,7 +40,7 @@ def floats(text: str) -> list[float]:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="The default run takes about 7 minutes on 2 CPU cores (recording, the offline "
+        epilog="The default run takes about 8 minutes on 2 CPU cores (recording, the offline "
         "comparison with kernel timings, one SGLang start, 3 rounds of five 20 s live runs); "
         "--no-live --measure-windows 2 --zipf 1.2 --shifts A:B takes about a minute. Run it on "
         "an otherwise idle machine. Mixes: " + "; ".join(
