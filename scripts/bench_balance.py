@@ -193,7 +193,7 @@ def plot(path: Path, traces: list[StepTrace], results: dict, window: int) -> Non
         return
     shown = [next(t for t in traces if t.kind == kind) for kind in ("recorded", "zipf")
              if any(t.kind == kind for t in traces)]
-    fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 3.8), dpi=110,
+    fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4.4), dpi=110,
                              squeeze=False)
     for ax, trace in zip(axes[0], shown):
         for policy, out in results[trace.name].items():
@@ -205,9 +205,9 @@ def plot(path: Path, traces: list[StepTrace], results: dict, window: int) -> Non
         ax.set_title(f"{trace.name}: {window}-step windows")
         ax.set_xlabel("window")
         ax.set_ylabel("busiest server / mean (mean over MoE layers)")
-    for ax in axes[0]:
-        ax.legend(fontsize=7)
-    save_figure(fig, path)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
+    save_figure(fig, path, rect=(0, 0.14, 1, 1))
 
 
 def main() -> int:

@@ -38,7 +38,7 @@ from sglang_eaas.balance.placer import balance_model, moves
 POLICIES = ("none", "eplb-sglang", "eplb", "moeless", "predicted", "oracle")
 LABELS = {
     "none": "none (even)",
-    "eplb-sglang": "SGLang EPLB at SGLang's cadence (every --eplb-period steps, on the last ones)",
+    "eplb-sglang": "SGLang EPLB, SGLang's cadence (every --eplb-period steps)",
     "eplb": "SGLang EPLB, window t-1",
     "moeless": "MoEless, window t-1",
     "predicted": "MoEless, predicted window t",

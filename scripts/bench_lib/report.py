@@ -77,9 +77,10 @@ def default_out(name: str) -> Path:
     return DEFAULT_DIR / f"{name}.md"
 
 
-def save_figure(fig, path: Path) -> None:
-    """A matplotlib figure to ``path`` (PNG), laid out; its parent made if missing."""
-    fig.tight_layout()
+def save_figure(fig, path: Path, rect: tuple[float, float, float, float] | None = None) -> None:
+    """A matplotlib figure to ``path`` (PNG), laid out (within ``rect`` of the figure, when a
+    figure legend takes the rest); its parent made if missing."""
+    fig.tight_layout(rect=rect)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     say(f"plot saved to {path}")
