@@ -24,8 +24,9 @@ def setup_text(args, info, traces: list[StepTrace], slots: int, cv_target: float
         f"Trained checkpoint `{args.model.name}` (Qwen3-MoE, {len(info.moe_layers)} MoE layers, "
         f"{info.num_experts} experts, top-{info.top_k}). Every policy gets {args.servers} expert "
         f"servers x {slots} expert slots per MoE layer ({args.servers * slots} per layer for "
-        f"{info.num_experts} experts); a placement per window of {args.window} decode steps of "
-        f"{args.batch} requests (one token each), decided before the window; CV target "
+        f"{info.num_experts} experts); a placement per window of {args.window} decode "
+        f"step{'s' if args.window != 1 else ''} of {args.batch} requests (one token each), "
+        "decided before the window; CV target "
         f"{cv_target:g}. Traces (the mix or the Zipf permutation changes half-way):",
         "",
         "| trace | what | steps | windows | expert max/mean | shift (TV distance of the "
