@@ -106,10 +106,15 @@ def test_small_adapter_layout_and_api(small):
         digest = hashlib.sha256(b"".join(_raw(t) for t in (gate, up, down))).hexdigest()
         assert adapter.digest(INFO, 0, expert) == digest
     assert adapter.digest(INFO, 0, 1) != adapter.digest(INFO, 0, 2)
+    every = adapter.digests(INFO, adapter.experts)  # all at once: the same as one by one
+    assert every == {layer: {e: adapter.digest(INFO, layer, e) for e in experts}
+                     for layer, experts in adapter.experts.items()}
     with pytest.raises(AdapterError, match="does not replace experts"):
         adapter.load_weights(INFO, 0, [3], torch.float32)
-    with pytest.raises(AdapterError, match="does not replace expert 3 of layer 0"):
+    with pytest.raises(AdapterError, match=r"does not replace experts \[3\] of layer 0"):
         adapter.digest(INFO, 0, 3)
+    with pytest.raises(AdapterError, match=r"does not replace experts \[4\] of layer 2"):
+        adapter.digests(INFO, {0: (1,), 2: (5, 4)})
 
 
 # ------------------------------------------------------------------------------ refusals

@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from sglang_eaas.checkpoint import safetensors_header, tensor_files
 from sglang_eaas.model_info import ModelError, MoeModelInfo, is_routed_expert_tensor
@@ -91,20 +91,32 @@ class EsftAdapter:
     def digest(self, info: MoeModelInfo, layer: int, expert: int) -> str:
         """sha256 (hex) of the raw bytes of one replaced expert's gate, up and down tensors, in
         that order, as stored in ``adapter.safetensors``."""
-        if expert not in self.experts.get(layer, ()):
-            raise AdapterError(f"ESFT adapter {self.path} does not replace expert {expert} of "
-                               f"layer {layer}")
+        return self.digests(info, {layer: (expert,)})[layer][expert]
+
+    def digests(self, info: MoeModelInfo, wanted: Mapping[int, Iterable[int]]
+                ) -> dict[int, dict[int, str]]:
+        """``digest`` of each of ``wanted``'s experts (MoE layer -> expert ids), the file's
+        header read once: MoE layer -> expert -> digest."""
+        for layer, experts in wanted.items():
+            missing = [e for e in experts if e not in self.experts.get(layer, ())]
+            if missing:
+                raise AdapterError(f"ESFT adapter {self.path} does not replace experts "
+                                   f"{missing} of layer {layer}")
         path = self.path / WEIGHTS_FILE
         header, data_start = _read_header(self.path, path)
-        h = hashlib.sha256()
+        out: dict[int, dict[int, str]] = {}
         fd = os.open(path, os.O_RDONLY)
         try:
-            for name in info.expert_tensor_names(layer, expert):
-                begin, end = header[name]["data_offsets"]
-                h.update(os.pread(fd, end - begin, data_start + begin))
+            for layer, experts in wanted.items():
+                for expert in experts:
+                    h = hashlib.sha256()
+                    for name in info.expert_tensor_names(layer, expert):
+                        begin, end = header[name]["data_offsets"]
+                        h.update(os.pread(fd, end - begin, data_start + begin))
+                    out.setdefault(layer, {})[expert] = h.hexdigest()
         finally:
             os.close(fd)
-        return h.hexdigest()
+        return out
 
 
 def _fail(path: Path, problem: str) -> AdapterError:

@@ -58,8 +58,7 @@ class Registrar:
     def register(self, name: str, adapter: EsftAdapter) -> Registered:
         """Place ``adapter``'s experts (or find them placed) and wait until this rank's table
         shows them all; ``AdapterError`` naming what failed."""
-        digests = {layer: {b: adapter.digest(self.info, layer, b) for b in bases}
-                   for layer, bases in adapter.experts.items()}
+        digests = adapter.digests(self.info, adapter.experts)
         found = self._found(name, digests)
         if found is not None:
             self.say(f"sglang-eaas: ESFT adapter {name}: its {adapter.count} experts are on the "

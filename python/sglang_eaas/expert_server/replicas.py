@@ -111,7 +111,8 @@ class Replicas:
         if unknown:
             raise ControlError("bad_adapter", f"adapter {request.adapter} does not replace "
                                f"experts {unknown} of MoE layer {layer}")
-        wanted = {p: (request.adapter, b, adapter.digest(info, layer, b))
+        digest = adapter.digests(info, {layer: request.replaces}).get(layer, {})
+        wanted = {p: (request.adapter, b, digest[b])
                   for p, b in zip(request.experts, request.replaces)}
         with self._change:
             advertised = set(s.holdings.get(layer, ()))
