@@ -13,7 +13,7 @@ from conftest import open_log
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.placement import PlacementError
+from sglang_eaas.placement import NO_HOLDER, PlacementError
 from sglang_eaas.routing_table import RoutingTable
 
 LAYERS = [0, 1]
@@ -168,3 +168,32 @@ def test_servers_holding_other_experts_in_each_layer(tiny_qwen3, client):
         for s in swapped:
             s.stop()
         log.close()
+
+
+def test_adapter_experts_two_servers_describe_differently_are_routed_nowhere():
+    """Two SGLang servers that placed two adapters under one physical id at once: each server
+    describes that id as its own adapter's expert. No holder can be trusted to be the expert a
+    request was rerouted to, so the id goes to no server (the rows fail instead of reaching the
+    other adapter's weights); the model's experts and the agreed ids are routed as before."""
+    layer, x, y = 3, ("x", 1, "dx"), ("y", 2, "dy")
+    holdings = {"a": {layer: [0, 1, 4, 5]}, "b": {layer: [2, 3, 4, 5]}}
+    agreed = RoutingTable.build(1, holdings, [layer], 8, base_experts=4,
+                                adapter_experts={"a": {layer: {4: x, 5: y}},
+                                                 "b": {layer: {4: x, 5: y}}})
+    assert agreed.untrusted == {} and agreed.adapters() == {"x": {layer: {1: 4}},
+                                                            "y": {layer: {2: 5}}}
+    assert sorted(agreed.assign(layer, np.array([[4], [4]])).ravel().tolist()) == [0, 1]
+
+    differ = RoutingTable.build(1, holdings, [layer], 8, base_experts=4,
+                                adapter_experts={"a": {layer: {4: x, 5: y}},
+                                                 "b": {layer: {4: y, 5: y}}})
+    assert differ.untrusted == {layer: (4,)}
+    assert differ.adapters() == {"y": {layer: {2: 5}}}
+    assert differ.missing == {}  # the model's experts are all held
+    assert differ.placement["b"][layer] == (2, 3, 4, 5)  # what the servers say they hold
+    got = differ.assign(layer, np.array([[4, 0], [5, 3]]))
+    assert got[0, 0] == NO_HOLDER and got[0, 1] == 0 and got[1, 1] == 1
+    assert got[1, 0] in (0, 1)
+    # the tables that follow (a server leaves, one changes) are built the same way
+    assert differ.without("a", allow_missing=True).untrusted == {}
+    assert differ.with_server("a", {layer: [0, 1, 4]}).untrusted == {layer: (4,)}

@@ -31,6 +31,10 @@ class RoutingTable:
     placement: Mapping[str, Mapping[int, tuple[int, ...]]]  # what ``build`` was given, sorted
     base_experts: int = 0  # the model's experts (0: all ``num_experts`` are)
     adapter_experts: AdapterHoldings | None = None  # what ``build`` was given
+    # MoE layer -> adapter experts' physical ids that servers describe differently: held, but
+    # routed to no server (``assign`` gives ``NO_HOLDER``), for no holder can be trusted to be
+    # the expert a request was rerouted to
+    untrusted: Mapping[int, tuple[int, ...]] | None = None
 
     @classmethod
     def build(cls, epoch: int, holdings: Holdings, moe_layers: list[int], num_experts: int,
@@ -43,14 +47,19 @@ class RoutingTable:
         not missing); ``adapter_experts``: which held experts are adapter experts."""
         base = base_experts or num_experts
         servers = tuple(holdings)
+        adapters = {s: {layer: dict(held) for layer, held in by_layer.items() if held}
+                    for s, by_layer in (adapter_experts or {}).items() if s in holdings}
+        untrusted = _described_differently(adapters)
         layers = {}
         for layer in moe_layers:
             missing = [s for s in servers if layer not in holdings[s]]
             if missing:
                 raise PlacementError(f"servers {missing} say nothing about MoE layer {layer}")
+            routed = [[e for e in holdings[s][layer] if e not in untrusted.get(layer, ())]
+                      for s in servers]
             try:
-                layers[layer] = ExpertRouting([list(holdings[s][layer]) for s in servers],
-                                              num_experts, allow_missing or base < num_experts)
+                layers[layer] = ExpertRouting(routed, num_experts,
+                                              allow_missing or base < num_experts)
             except PlacementError as exc:
                 raise PlacementError(f"MoE layer {layer}: {exc}") from None
             if not allow_missing and [e for e in layers[layer].missing if e < base]:
@@ -59,24 +68,20 @@ class RoutingTable:
                                      "no expert server")
         placement = {s: {layer: tuple(sorted(holdings[s][layer])) for layer in moe_layers}
                      for s in servers}
-        adapters = {s: {layer: dict(held) for layer, held in by_layer.items() if held}
-                    for s, by_layer in (adapter_experts or {}).items() if s in holdings}
-        return cls(epoch, servers, layers, num_experts, placement, base, adapters)
+        return cls(epoch, servers, layers, num_experts, placement, base, adapters,
+                   {layer: tuple(sorted(ids)) for layer, ids in untrusted.items()})
 
     def adapters(self) -> dict[str, dict[int, dict[int, int]]]:
         """The ESFT adapters the servers hold experts of: adapter -> MoE layer -> base expert
         -> physical id. A physical id two servers describe differently is left out (and so
-        is its adapter's use of it): it cannot be trusted to be either."""
-        seen: dict[tuple[int, int], set] = {}
-        for by_layer in (self.adapter_experts or {}).values():
-            for layer, held in by_layer.items():
-                for physical, described in held.items():
-                    seen.setdefault((layer, physical), set()).add(tuple(described))
+        is its adapter's use of it): it cannot be trusted to be either (``untrusted``)."""
+        untrusted = self.untrusted or {}
+        described = {(layer, physical): d for by_layer in (self.adapter_experts or {}).values()
+                     for layer, held in by_layer.items() for physical, d in held.items()
+                     if physical not in untrusted.get(layer, ())}
         out: dict[str, dict[int, dict[int, int]]] = {}
-        for (layer, physical), described in sorted(seen.items()):
-            if len(described) == 1:
-                name, base, _ = next(iter(described))
-                out.setdefault(name, {}).setdefault(layer, {})[base] = physical
+        for (layer, physical), (name, base, _) in sorted(described.items()):
+            out.setdefault(name, {}).setdefault(layer, {})[base] = physical
         return out
 
     def adapter_digests(self, name: str) -> dict[int, dict[int, str]]:
@@ -129,6 +134,21 @@ class RoutingTable:
         """``[T, K]`` expert ids of ``layer`` -> ``[T, K]`` indices into ``servers`` (-1 for -1,
         ``placement.NO_HOLDER`` for an expert no server holds)."""
         return self.layers[layer].assign(expert_ids)
+
+
+def _described_differently(adapters: AdapterHoldings) -> dict[int, set[int]]:
+    """MoE layer -> the physical ids that two servers describe as different adapter experts
+    (two SGLang servers that placed two adapters under one id at the same moment)."""
+    seen: dict[tuple[int, int], set] = {}
+    for by_layer in adapters.values():
+        for layer, held in by_layer.items():
+            for physical, described in held.items():
+                seen.setdefault((layer, physical), set()).add(tuple(described))
+    out: dict[int, set[int]] = {}
+    for (layer, physical), described in seen.items():
+        if len(described) > 1:
+            out.setdefault(layer, set()).add(physical)
+    return out
 
 
 class DeviceRoutingTable:

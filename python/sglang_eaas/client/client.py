@@ -362,16 +362,21 @@ class EaasClient:
 
     def _record_orphans(self, layer_id: int, ids: np.ndarray, orphans: np.ndarray,
                         first_row: int) -> None:
+        untrusted = set((self.view.table.untrusted or {}).get(layer_id, ()))
         for row in np.flatnonzero(orphans.any(axis=1)).tolist():
             experts = sorted(set(ids[row][orphans[row]].tolist()))
             self._failed.setdefault(first_row + row, (
+                f"experts {experts} of MoE layer {layer_id} are ESFT adapter experts that two "
+                "expert servers describe differently (two adapters placed under one id at once)"
+                if untrusted.issuperset(experts) else
                 f"experts {experts} of MoE layer {layer_id} have no live expert server"))
 
     def note_orphans(self, layer_id: int, topk_ids: torch.Tensor, row_offset: int = 0) -> None:
         """Record every row of ``topk_ids`` (with attention TP: the whole batch, not only this
         rank's share) that needs an expert no live server holds (a host read, only when the
         table in use has such an expert)."""
-        if self.view.table.missing.get(layer_id):
+        table = self.view.table
+        if table.missing.get(layer_id) or (table.untrusted or {}).get(layer_id):
             ids = topk_ids.cpu().numpy()
             self._record_orphans(layer_id, ids, self.view.table.assign(layer_id, ids) == NO_HOLDER,
                                  row_offset)

@@ -10,6 +10,13 @@ rank's routing table shows every one of its experts held: the physical ids come 
 table, so a rank that did not place them (another TP rank, another SGLang sharing the tier)
 finds them there. A failed placement is rolled back.
 
+Nothing reserves physical ids across SGLang servers sharing a tier: two registrations that start
+at the same moment can pick the same ids. A server refuses an id it holds for another adapter
+(``adapter_slot_taken``), and when the copies land on different servers the routing table marks
+the id untrusted (``RoutingTable.untrusted``: routed nowhere). Either way the registration that
+is still placing sees it, rolls back at once and places again under other ids, after a random
+pause (up to ``PLACE_ATTEMPTS`` times); an adapter already published keeps its ids.
+
 Unloading drops the experts this registrar placed (``drop_experts`` with ``force``: they are
 their adapter's only copies by design; the servers free them after a grace period).
 """
@@ -17,6 +24,7 @@ their adapter's only copies by design; the servers free them after a grace perio
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -24,7 +32,7 @@ from typing import TYPE_CHECKING, Callable
 from ibgda import TransportError
 from sglang_eaas.esft.adapter import AdapterError, EsftAdapter
 from sglang_eaas.protocol import control
-from sglang_eaas.protocol.lines import ControlError
+from sglang_eaas.protocol.lines import ControlError, Refused
 from sglang_eaas.routing_table import RoutingTable
 
 if TYPE_CHECKING:
@@ -33,6 +41,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 POLL = 0.05  # seconds between looks at the routing table while waiting for it
 DROP_GRACE = 2.0  # seconds servers keep an unloaded adapter's experts for late requests
+PLACE_ATTEMPTS = 3  # placements under fresh ids when another adapter took the same ones
+RETRY_PAUSE = (0.2, 1.0)  # seconds, times the attempt: a random pause before placing again
+
+
+class _Collision(Exception):
+    """Another adapter was placed under some of the same physical ids at the same moment."""
 
 
 @dataclass
@@ -66,25 +80,50 @@ class Registrar:
             return Registered(name, adapter, found)
         if not self.orchestrate:
             return Registered(name, adapter, self._wait_found(name, digests))
+        started = time.monotonic()
+        for attempt in range(1, PLACE_ATTEMPTS + 1):
+            try:
+                registered = self._place(name, adapter, digests)
+                break
+            except _Collision as exc:
+                if attempt == PLACE_ATTEMPTS:
+                    raise AdapterError(f"ESFT adapter {name} could not be placed on the expert "
+                                       f"servers: {exc}, {attempt} times") from None
+                self.say(f"sglang-eaas: ESFT adapter {name}: {exc}; placing it again under "
+                         "other ids")
+                time.sleep(random.uniform(*RETRY_PAUSE) * attempt)
+        self.say(f"sglang-eaas: ESFT adapter {name}: {adapter.count} experts placed on "
+                 f"{len(registered.placed)} expert servers in {time.monotonic() - started:.1f}s")
+        return registered
+
+    def _place(self, name: str, adapter: EsftAdapter, digests: dict[int, dict[int, str]]
+               ) -> Registered:
+        """One placement under the lowest free ids, rolled back if it fails; ``_Collision``
+        if another adapter took some of the same ids meanwhile."""
         mapping = self._allocate(name, adapter)
         plan = self._plan(mapping)
         registered = Registered(name, adapter, mapping)
-        started = time.monotonic()
         try:
             for server, layers in plan.items():
                 for layer, pairs in layers.items():
-                    control.call(server, self.token, "add_experts", self.timeout, layer=layer,
-                                 experts=[p for p, _ in pairs], adapter=name,
-                                 adapter_path=str(adapter.path),
-                                 replaces=[b for _, b in pairs])
+                    try:
+                        control.call(server, self.token, "add_experts", self.timeout,
+                                     layer=layer, experts=[p for p, _ in pairs], adapter=name,
+                                     adapter_path=str(adapter.path),
+                                     replaces=[b for _, b in pairs])
+                    except Refused as exc:
+                        if exc.reason == "adapter_slot_taken":
+                            raise _Collision(str(exc)) from None
+                        raise
                     registered.placed.setdefault(server, {})[layer] = [p for p, _ in pairs]
             self._wait_found(name, digests, mapping)
+        except _Collision:
+            self._drop(registered, grace=0.0)
+            raise
         except (TransportError, ControlError, AdapterError) as exc:
             self._drop(registered, grace=0.0)
             raise AdapterError(f"ESFT adapter {name} could not be placed on the expert "
                                f"servers: {exc}") from None
-        self.say(f"sglang-eaas: ESFT adapter {name}: {adapter.count} experts placed on "
-                 f"{len(registered.placed)} expert servers in {time.monotonic() - started:.1f}s")
         return registered
 
     def _found(self, name: str, digests: dict[int, dict[int, str]]
@@ -113,6 +152,8 @@ class Registrar:
                     ) -> dict[int, dict[int, int]]:
         deadline = time.monotonic() + self.timeout
         while True:
+            if expected is not None:
+                self._check_collision(expected)
             found = self._found(name, digests)
             if found is not None and (expected is None or found == expected):
                 return found
@@ -120,6 +161,17 @@ class Registrar:
                 raise AdapterError(f"ESFT adapter {name}'s experts did not all appear in the "
                                    f"routing table within {self.timeout:.0f}s")
             time.sleep(POLL)
+
+    def _check_collision(self, mapping: dict[int, dict[int, int]]) -> None:
+        """``_Collision`` if the table says a server holds another expert under one of
+        ``mapping``'s ids."""
+        untrusted = self.client.table.untrusted or {}
+        taken = {layer: sorted(set(by_base.values()) & set(untrusted.get(layer, ())))
+                 for layer, by_base in mapping.items()}
+        taken = {layer: ids for layer, ids in taken.items() if ids}
+        if taken:
+            raise _Collision(f"another adapter was placed under the same physical ids at the "
+                             f"same moment (MoE layer -> ids: {taken})")
 
     def _allocate(self, name: str, adapter: EsftAdapter) -> dict[int, dict[int, int]]:
         """The lowest physical ids of each layer that no server holds."""
