@@ -15,13 +15,13 @@ top-k and experts, and ``adapters`` loaded adapters each replacing a few experts
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
 import torch
+
+from sglang_eaas.tools.train_predictors import median_seconds
 
 
 @dataclass(frozen=True)
@@ -33,16 +33,9 @@ class RerouteTiming:
 
 
 def _per_call(fn: Callable[[], object], calls: int, blocks: int) -> float:
-    """Median over ``blocks`` of the mean seconds per call of ``calls`` calls, in µs."""
-    for _ in range(calls):  # warm-up
-        fn()
-    times = []
-    for _ in range(blocks):
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - started) / calls)
-    return statistics.median(times) * 1e6
+    """Median over ``blocks`` of the mean time per call of ``calls`` calls (after as many
+    warm-up calls), in µs."""
+    return median_seconds(fn, calls, blocks, warmup=calls) * 1e6
 
 
 def _implementation(ids, aid, pi) -> str:

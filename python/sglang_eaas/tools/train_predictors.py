@@ -31,9 +31,9 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
-def median_seconds(fn, repeat: int = 200, blocks: int = 5) -> float:
-    """Median over ``blocks`` of the mean time of ``repeat`` calls (after a warm-up)."""
-    for _ in range(20):
+def median_seconds(fn, repeat: int = 200, blocks: int = 5, warmup: int = 20) -> float:
+    """Median over ``blocks`` of the mean time of ``repeat`` calls (after ``warmup`` calls)."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(blocks):
