@@ -8,7 +8,7 @@ steps (``EaasClient.stage``), so no layer ever sees half of two tables.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import numpy as np
@@ -34,7 +34,7 @@ class RoutingTable:
     # MoE layer -> adapter experts' physical ids that servers describe differently: held, but
     # routed to no server (``assign`` gives ``NO_HOLDER``), for no holder can be trusted to be
     # the expert a request was rerouted to
-    untrusted: Mapping[int, tuple[int, ...]] | None = None
+    untrusted: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, epoch: int, holdings: Holdings, moe_layers: list[int], num_experts: int,
@@ -75,10 +75,9 @@ class RoutingTable:
         """The ESFT adapters the servers hold experts of: adapter -> MoE layer -> base expert
         -> physical id. A physical id two servers describe differently is left out (and so
         is its adapter's use of it): it cannot be trusted to be either (``untrusted``)."""
-        untrusted = self.untrusted or {}
         described = {(layer, physical): d for by_layer in (self.adapter_experts or {}).values()
                      for layer, held in by_layer.items() for physical, d in held.items()
-                     if physical not in untrusted.get(layer, ())}
+                     if physical not in self.untrusted.get(layer, ())}
         out: dict[str, dict[int, dict[int, int]]] = {}
         for (layer, physical), (name, base, _) in sorted(described.items()):
             out.setdefault(name, {}).setdefault(layer, {})[base] = physical

@@ -362,7 +362,7 @@ class EaasClient:
 
     def _record_orphans(self, layer_id: int, ids: np.ndarray, orphans: np.ndarray,
                         first_row: int) -> None:
-        untrusted = set((self.view.table.untrusted or {}).get(layer_id, ()))
+        untrusted = set(self.view.table.untrusted.get(layer_id, ()))
         for row in np.flatnonzero(orphans.any(axis=1)).tolist():
             experts = sorted(set(ids[row][orphans[row]].tolist()))
             self._failed.setdefault(first_row + row, (
@@ -376,9 +376,9 @@ class EaasClient:
         rank's share) that needs an expert no live server holds (a host read, only when the
         table in use has such an expert)."""
         table = self.view.table
-        if table.missing.get(layer_id) or (table.untrusted or {}).get(layer_id):
+        if table.missing.get(layer_id) or table.untrusted.get(layer_id):
             ids = topk_ids.cpu().numpy()
-            self._record_orphans(layer_id, ids, self.view.table.assign(layer_id, ids) == NO_HOLDER,
+            self._record_orphans(layer_id, ids, table.assign(layer_id, ids) == NO_HOLDER,
                                  row_offset)
 
     def _forward_device(self, handle: Dispatched) -> torch.Tensor:

@@ -165,7 +165,7 @@ class Registrar:
     def _check_collision(self, mapping: dict[int, dict[int, int]]) -> None:
         """``_Collision`` if the table says a server holds another expert under one of
         ``mapping``'s ids."""
-        untrusted = self.client.table.untrusted or {}
+        untrusted = self.client.table.untrusted
         taken = {layer: sorted(set(by_base.values()) & set(untrusted.get(layer, ())))
                  for layer, by_base in mapping.items()}
         taken = {layer: ids for layer, ids in taken.items() if ids}
