@@ -136,11 +136,11 @@ def goal(traces: list[StepTrace], results: dict, measured: dict,
         o: Outcome = results[t.name][p]
         r = float(o.ratio[1:].mean())
         s = measured[t.name].straggler
+        ours = float(o.modelled(*coef)[window:].mean())
 
         def below(base: str) -> tuple[float, float]:
             return (1 - float(s[p].mean()) / float(s[base].mean()),
-                    1 - float(o.modelled(*coef)[window:].mean()) / float(
-                        results[t.name][base].modelled(*coef)[window:].mean()))
+                    1 - ours / float(results[t.name][base].modelled(*coef)[window:].mean()))
 
         (gain, modelled), (fresh, fresh_modelled) = below("eplb-sglang"), below("eplb")
         ok = r <= ratio_max and gain >= gain_min
