@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_lib.balance_policies import LABELS, POLICIES, eplb_every, outcome, schedule
+from bench_lib.balance_policies import LABELS, POLICIES, place_trace
 from bench_lib.balance_traces import MIXES, REQUEST_TOKENS, StepTrace
 from bench_lib.report import Report, default_out, save_figure, say
 
@@ -130,14 +130,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def sample_windows(count: int, windows: int, shift: int) -> list[int]:
-    """``count`` windows spread over 1 .. windows - 1, the one nearest the shift moved to the
-    first window after it."""
-    spread = np.linspace(1, windows - 1, count).round().astype(int)
-    spread[np.argmin(np.abs(spread - shift))] = shift
-    return sorted(set(spread.tolist()))
-
-
 def load_traces(args, info) -> list[StepTrace]:
     """The recorded traces (``--shifts``), then the Zipf ones, all of the same steps."""
     import torch
@@ -214,7 +206,7 @@ def main() -> int:
     args = parse_args()
     from sglang_eaas.balance.scaler import DEFAULT_CV_TARGET
     from sglang_eaas.model_info import MoeModelInfo
-    from bench_lib.balance_kernel import Kernels, fit, measure
+    from bench_lib.balance_kernel import Kernels, fit, measure, sample_windows
     from bench_lib.balance_report import fit_text, goal, result_table, setup_text
 
     info = MoeModelInfo.from_model_path(args.model)
@@ -234,19 +226,11 @@ def main() -> int:
     kernels = Kernels(args.model, info)
     results, measured = {}, {}
     for trace in traces:
-        actual = trace.windows(args.window)
-        predicted = trace.windows(args.window, True) if trace.predicted is not None else None
-        policies = [p for p in POLICIES if p != "predicted" or predicted is not None]
-        results[trace.name] = {}
-        for policy in policies:
-            placed = (eplb_every(trace.loads, trace.shift, args.eplb_period, args.window,
-                                 trace.layers, servers, slots) if policy == "eplb-sglang" else
-                      schedule(policy, actual, predicted, trace.layers, servers, slots,
-                               cv_target))
-            results[trace.name][policy] = outcome(policy, placed, actual, trace.loads,
-                                                  trace.layers, args.window)
-        say(f"{trace.name}: {len(actual)} windows placed by {', '.join(policies)}")
-        chosen = sample_windows(args.measure_windows, len(actual), trace.shift // args.window)
+        results[trace.name] = place_trace(trace, servers, slots, args.window,
+                                          args.eplb_period, cv_target)
+        windows = trace.steps // args.window
+        say(f"{trace.name}: {windows} windows placed by {', '.join(results[trace.name])}")
+        chosen = sample_windows(args.measure_windows, windows, trace.shift // args.window)
         measured[trace.name] = measure(kernels, trace, results[trace.name], chosen,
                                        args.window, args.repeat, say)
     samples = np.concatenate([m.samples for m in measured.values()])

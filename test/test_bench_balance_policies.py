@@ -11,7 +11,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-from bench_lib.balance_policies import eplb_every  # noqa: E402
+from bench_lib.balance_policies import eplb_every, place_trace  # noqa: E402
 
 LAYERS, SERVERS, SLOTS, EXPERTS = [0, 1], ["a", "b", "c"], 4, 8
 
@@ -64,3 +64,34 @@ def test_eplb_every_a_rebalance_mid_window_takes_effect_at_the_next_window():
     # (window 5) and 64 (past the trace's last window, which starts at 56)
     changes = [t for t in range(1, len(placed)) if placed[t] is not placed[t - 1]]
     assert changes == [3, 5]
+
+
+def test_place_trace_runs_every_policy_but_predicted_on_a_trace_without_predictor_load():
+    from bench_lib.balance_traces import zipf
+
+    trace = zipf(1.2, LAYERS, EXPERTS, top_k=2, steps=64, batch=8, hidden=16, seed=3)
+    out = place_trace(trace, SERVERS, SLOTS, window=8, eplb_period=1000, cv_target=0.2)
+    assert list(out) == ["none", "eplb-sglang", "eplb", "moeless", "oracle"]
+    for policy, o in out.items():
+        assert len(o.placed) == 8 and o.ratio.shape == (8, len(LAYERS)), policy
+        # every step's entries are all dealt: the servers' shares add up to batch x top-k
+        assert (o.tokens.sum(axis=2) == 8 * 2).all(), policy
+    # the oracle plans on each window's own load: never less balanced than none, on average
+    assert out["oracle"].ratio[1:].mean() < out["none"].ratio[1:].mean()
+
+
+def test_below_is_one_minus_the_time_over_the_base_time_measured_and_modelled():
+    from bench_lib.balance_policies import Outcome
+    from bench_lib.balance_report import below
+
+    def fake(tokens):  # [steps=4, layers=1, servers=2]; no weight-set cost below (b = 0)
+        tokens = np.array(tokens, dtype=float).reshape(4, 1, 2)
+        return Outcome("x", [], np.ones((2, 1)), tokens, np.zeros_like(tokens), np.zeros(2))
+
+    outcomes = {"base": fake([[9, 1], [9, 1], [6, 4], [6, 4]]),
+                "ours": fake([[9, 1], [9, 1], [5, 5], [5, 5]])}
+    straggler = {"base": np.array([4.0, 4.0]), "ours": np.array([3.0, 3.0])}
+    measured, modelled = below(outcomes, straggler, (1.0, 1.0, 0.0), 2, "ours", "base")
+    assert measured == 0.25
+    # windows of 2 steps, the first left out: steps 2 and 3, 1 + max(entries) = 7 against 6
+    assert abs(modelled - (1 - 6 / 7)) < 1e-12

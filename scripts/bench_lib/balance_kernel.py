@@ -136,6 +136,14 @@ def time_calls(groups: dict[str, list[Call]], repeat: int) -> dict[str, list[flo
     return {p: [min(x) for x in per] for p, per in timed.items()}
 
 
+def sample_windows(count: int, windows: int, shift: int) -> list[int]:
+    """``count`` windows spread over 1 .. windows - 1, the one nearest the shift moved to the
+    first window after it."""
+    spread = np.linspace(1, windows - 1, count).round().astype(int)
+    spread[np.argmin(np.abs(spread - shift))] = shift
+    return sorted(set(spread.tolist()))
+
+
 def measure(kernels: Kernels, trace: StepTrace, outcomes: dict[str, Outcome],
             windows: list[int], window: int, repeat: int,
             say: Callable[[str], None]) -> Measured:

@@ -179,3 +179,20 @@ def outcome(policy: str, placed: list[Placed], actual: np.ndarray, step_loads: n
         if t:
             adds[t] = sum(len(m.adds) for m in moves(placed[t - 1].placement, p.placement))
     return Outcome(policy, placed, ratio, tokens, active, adds)
+
+
+def place_trace(trace, servers: Sequence[str], slots: int, window: int, eplb_period: int,
+                cv_target: float, policies: Sequence[str] = POLICIES) -> dict[str, Outcome]:
+    """Every policy of ``policies`` over a ``StepTrace`` (``predicted`` only where the trace has
+    predictor load), in ``policies``' order."""
+    actual = trace.windows(window)
+    predicted = trace.windows(window, True) if trace.predicted is not None else None
+    out = {}
+    for policy in policies:
+        if policy == "predicted" and predicted is None:
+            continue
+        placed = (eplb_every(trace.loads, trace.shift, eplb_period, window, trace.layers,
+                             servers, slots) if policy == "eplb-sglang" else
+                  schedule(policy, actual, predicted, trace.layers, servers, slots, cv_target))
+        out[policy] = outcome(policy, placed, actual, trace.loads, trace.layers, window)
+    return out

@@ -123,6 +123,18 @@ def fit_text(samples: np.ndarray, coef: tuple[float, float, float], r2: float,
             f"measured one for every trace and placement.")
 
 
+def below(outcomes: dict[str, Outcome], straggler: dict[str, np.ndarray],
+          coef: tuple[float, float, float], window: int, policy: str,
+          base: str) -> tuple[float, float]:
+    """How much lower ``policy``'s straggler time is than ``base``'s, as a fraction of
+    ``base``'s: measured (the timed windows) and modelled (every window but the first)."""
+    def modelled(p: str) -> float:
+        return float(outcomes[p].modelled(*coef)[window:].mean())
+
+    return (1 - float(straggler[policy].mean()) / float(straggler[base].mean()),
+            1 - modelled(policy) / modelled(base))
+
+
 def goal(traces: list[StepTrace], results: dict, measured: dict,
          coef: tuple[float, float, float], window: int, ratio_max: float,
          gain_min: float) -> str:
@@ -135,14 +147,9 @@ def goal(traces: list[StepTrace], results: dict, measured: dict,
         p = "predicted" if "predicted" in results[t.name] else "moeless"
         o: Outcome = results[t.name][p]
         r = float(o.ratio[1:].mean())
-        s = measured[t.name].straggler
-        ours = float(o.modelled(*coef)[window:].mean())
-
-        def below(base: str) -> tuple[float, float]:
-            return (1 - float(s[p].mean()) / float(s[base].mean()),
-                    1 - ours / float(results[t.name][base].modelled(*coef)[window:].mean()))
-
-        (gain, modelled), (fresh, fresh_modelled) = below("eplb-sglang"), below("eplb")
+        (gain, modelled), (fresh, fresh_modelled) = (
+            below(results[t.name], measured[t.name].straggler, coef, window, p, base)
+            for base in ("eplb-sglang", "eplb"))
         ok = r <= ratio_max and gain >= gain_min
         if t.kind == "zipf":
             verdicts.append(ok)
