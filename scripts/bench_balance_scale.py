@@ -1,0 +1,256 @@
+"""Benchmark: how much the scaler and placer take off the straggler time of SGLang's EPLB as the
+expert tier grows, on the Zipf-skewed traces of ``bench_balance.py`` (issue 12, item 8), offline.
+
+``bench_balance.py`` compares the policies at one size: 4 expert servers (8 of the checkpoint's
+32 experts each) and decode steps of 32 requests, what this machine can also serve live. Two
+things set how much a placement can gain there, and both change with the deployment: how many
+experts share a server (the fewer, the less a server's load averages out, the more skew reaches
+the straggler; MoEless's testbed has 8 GPUs, DeepSeek's decode deployment one expert per GPU)
+and how many entries a step deals (the more, the less one step's sampling noise, which no
+placement removes, and the less the fixed cost per call weighs). This script runs the same
+policies (``bench_lib/balance_policies.py``: none, eplb-sglang, eplb, moeless, oracle) on the
+same Zipf traces for every ``--servers`` x ``--batches`` pair, with the same memory per layer
+(``--memory`` times the experts), measures the straggler time with the expert servers' kernel
+on sampled windows (``bench_lib/balance_kernel.py``) and models it for every window (one fit
+over all the run's calls), and reports, per setting, how much lower MoEless's straggler time is
+than EPLB's as SGLang runs it, with the issue's goal (max/mean <= 1.1, >= 20% lower) per row.
+Report: .cache/bench/balance-scale.md and a PNG of the gains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from bench_lib.report import Report, default_out, save_figure, say
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL_RATIO, GOAL_GAIN = 1.1, 0.20
+POLICIES = ("none", "eplb-sglang", "eplb", "moeless", "oracle")
+
+
+def numbers(kind):
+    def parse(text: str) -> list:
+        try:
+            values = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                             f"{kind.__name__}s") from None
+        if not values or min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: give at least one value, all > 0")
+        return values
+    return parse
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="The default run takes about 10 minutes on 2 CPU cores (placing 64 windows per "
+               "trace and setting, and timing the kernel on 8 of them); --servers 4,8 "
+               "--batches 32,256 --zipf 1.4 --measure-windows 2 takes about 2. Run it on an "
+               "otherwise idle machine.")
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-moe-stdlib",
+                        help="the trained checkpoint whose experts the kernel runs; default "
+                             "models/tiny-moe-stdlib")
+    parser.add_argument("--servers", type=numbers(int), default=[4, 8, 16],
+                        help="expert server counts, comma-separated; default 4,8,16")
+    parser.add_argument("--batches", type=numbers(int), default=[32, 128, 256],
+                        help="requests per decode step (one token each), comma-separated; "
+                             "default 32,128,256")
+    parser.add_argument("--zipf", type=numbers(float), default=[1.0, 1.4],
+                        help="Zipf exponents s of the traces, comma-separated; default 1.0,1.4 "
+                             "(bench_balance's)")
+    parser.add_argument("--memory", type=float, default=1.25,
+                        help="expert slots per MoE layer over the experts, the same for every "
+                             "policy; each server gets ceil(memory x experts / servers); default "
+                             "1.25, bench_balance's 4 x 10 slots for 32 experts")
+    parser.add_argument("--steps", type=int, default=1024,
+                        help="decode steps per trace (the Zipf permutation changes half-way); "
+                             "default 1024")
+    parser.add_argument("--window", type=int, default=16,
+                        help="decode steps per placement window; default 16")
+    parser.add_argument("--eplb-period", type=int, default=1000,
+                        help="decode steps between two rebalances of eplb-sglang; default 1000, "
+                             "SGLang's --eplb-rebalance-num-iterations default")
+    parser.add_argument("--cv-target", type=float, default=None,
+                        help="the scaler's CV target; default the scaler's (0.2)")
+    parser.add_argument("--measure-windows", type=int, default=8,
+                        help="windows per trace and setting whose straggler time is measured "
+                             "with the kernel (the first after the shift among them); default "
+                             "8, bench_balance's")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="timed calls per server share (the fastest counts); default 5")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the first Zipf trace (the next ones: +1, +2, ...); "
+                             "default 0")
+    parser.add_argument("--out", type=Path, default=default_out("balance-scale"),
+                        help="markdown report; default .cache/bench/balance-scale.md")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="PNG of the gains; default --out with .png")
+    args = parser.parse_args()
+    if args.memory < 1:
+        parser.error(f"--memory {args.memory:g} cannot hold every expert once (it must be >= 1)")
+    for name in ("steps", "window", "eplb_period", "measure_windows", "repeat"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.steps < 4 * args.window:
+        parser.error(f"--steps {args.steps} must give at least 4 windows of {args.window}")
+    if not args.model.is_dir():
+        parser.error(f"--model {args.model} is not a directory (models/tiny-moe-stdlib comes "
+                     "with the repository)")
+    args.plot = args.plot or args.out.with_suffix(".png")
+    return args
+
+
+def setting_rows(trace, servers: int, slots: int, outcomes: dict, straggler: dict,
+                 coef: tuple, window: int) -> dict:
+    """One table row's numbers for one trace at one setting."""
+    from bench_lib.balance_report import below
+
+    def ratio(p: str) -> float:
+        return float(outcomes[p].ratio[1:].mean())
+
+    gain, gain_modelled = below(outcomes, straggler, coef, window, "moeless", "eplb-sglang")
+    bound, bound_modelled = below(outcomes, straggler, coef, window, "oracle", "eplb-sglang")
+    fresh, _ = below(outcomes, straggler, coef, window, "moeless", "eplb")
+    return dict(servers=servers, slots=slots, trace=trace.name,
+                batch=trace.ids.shape[2], entries=trace.ids.shape[2] * trace.ids.shape[3],
+                none=ratio("none"), sglang=ratio("eplb-sglang"), moeless=ratio("moeless"),
+                step=float(outcomes["moeless"].step_ratio()[window:].mean()),
+                sglang_us=float(straggler["eplb-sglang"].mean()) * 1e6,
+                moeless_us=float(straggler["moeless"].mean()) * 1e6,
+                gain=gain, gain_modelled=gain_modelled, bound=bound,
+                bound_modelled=bound_modelled, fresh=fresh,
+                met=ratio("moeless") <= GOAL_RATIO and min(gain, gain_modelled) >= GOAL_GAIN)
+
+
+def table(rows: list[dict], experts: int) -> str:
+    lines = [
+        "| servers | experts / server | slots / server | batch | entries / server / step "
+        "| trace | max/mean none | eplb-sglang | moeless | moeless per step "
+        "| eplb-sglang us | moeless us | moeless below eplb-sglang, measured | modelled "
+        "| oracle below eplb-sglang, measured | modelled | moeless below eplb, measured | goal |",
+        "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['servers']} | {experts / r['servers']:g} | {r['slots']} | {r['batch']} | "
+            f"{r['entries'] / r['servers']:g} | {r['trace']} | {r['none']:.3f} | "
+            f"{r['sglang']:.3f} | {r['moeless']:.3f} | {r['step']:.3f} | "
+            f"{r['sglang_us']:.1f} | {r['moeless_us']:.1f} | {r['gain']:.1%} | "
+            f"{r['gain_modelled']:.1%} | {r['bound']:.1%} | {r['bound_modelled']:.1%} | "
+            f"{r['fresh']:.1%} | {'met' if r['met'] else 'not met'} |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> str:
+    met = [r for r in rows if r["met"]]
+    settings = sorted({(r["servers"], r["batch"]) for r in rows})
+    whole = [s for s in settings if all(r["met"] for r in rows if (r["servers"], r["batch"]) == s)]
+    return (f"Goal (issue 12: max/mean <= {GOAL_RATIO} and >= {GOAL_GAIN:.0%} lower straggler "
+            "time than EPLB as SGLang runs it, measured and modelled both): met in "
+            f"{len(met)} of {len(rows)} "
+            "rows; on every trace at " + (", ".join(f"{n} servers x batch {b}"
+                                                   for n, b in whole) or "no setting") + ".")
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("no plot: matplotlib is missing (pip install -e '.[bench]')")
+        return
+    traces = list(dict.fromkeys(r["trace"] for r in rows))
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(traces), figsize=(5.2 * len(traces), 4.2), dpi=110,
+                             squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], traces):
+        for i, batch in enumerate(batches):
+            got = sorted((r["servers"], r["gain"], r["bound"]) for r in rows
+                         if r["trace"] == name and r["batch"] == batch)
+            servers = [g[0] for g in got]
+            ax.plot(servers, [100 * g[1] for g in got], marker="o", color=f"C{i}",
+                    label=f"moeless, batch {batch}")
+            ax.plot(servers, [100 * g[2] for g in got], linestyle=":", color=f"C{i}",
+                    label=f"oracle, batch {batch}")
+        ax.axhline(100 * GOAL_GAIN, color="grey", linestyle="--", linewidth=1,
+                   label=f"goal ({GOAL_GAIN:.0%})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["servers"] for r in rows}),
+                      [str(n) for n in sorted({r["servers"] for r in rows})])
+        ax.set_title(f"{name}: straggler time below eplb-sglang")
+        ax.set_xlabel("expert servers (same memory per layer)")
+        ax.set_ylabel("% lower than eplb-sglang (measured)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    save_figure(fig, path, rect=(0, 0.14, 1, 1))
+
+
+def main() -> int:
+    args = parse_args()
+    from sglang_eaas.balance.scaler import DEFAULT_CV_TARGET
+    from sglang_eaas.model_info import MoeModelInfo
+    from bench_lib.balance_kernel import Kernels, fit, measure, sample_windows
+    from bench_lib.balance_policies import place_trace
+    from bench_lib.balance_traces import zipf
+
+    info = MoeModelInfo.from_model_path(args.model)
+    cv_target = DEFAULT_CV_TARGET if args.cv_target is None else args.cv_target
+    report = Report(args.out)
+    kernels = Kernels(args.model, info)
+    windows = args.steps // args.window
+    runs = []  # (trace, servers, slots, outcomes, measured)
+    for batch in args.batches:
+        traces = [zipf(s, list(info.moe_layers), info.num_experts, info.top_k, args.steps,
+                       batch, info.hidden_size, args.seed + i) for i, s in enumerate(args.zipf)]
+        for n in args.servers:
+            slots = math.ceil(args.memory * info.num_experts / n)
+            servers = [f"local:{i}" for i in range(n)]
+            for trace in traces:
+                outcomes = place_trace(trace, servers, slots, args.window, args.eplb_period,
+                                       cv_target, POLICIES)
+                chosen = sample_windows(args.measure_windows, windows,
+                                        trace.shift // args.window)
+                say(f"{trace.name}, batch {batch}, {n} servers x {slots} slots: placed; "
+                    f"timing {len(chosen)} windows")
+                runs.append((trace, n, slots, outcomes,
+                             measure(kernels, trace, outcomes, chosen, args.window, args.repeat,
+                                     lambda line: None)))
+    samples = np.concatenate([m.samples for *_, m in runs])
+    c, a, b, r2 = fit(samples)
+    rows = [setting_rows(trace, n, slots, outcomes, m.straggler, (c, a, b), args.window)
+            for trace, n, slots, outcomes, m in runs]
+    rows.sort(key=lambda r: (r["trace"], r["batch"], r["servers"]))
+    report.add(
+        f"Trained checkpoint `{args.model.name}`'s experts ({info.num_experts} per MoE layer, "
+        f"top-{info.top_k}, {len(info.moe_layers)} MoE layers) on synthetic Zipf traces "
+        f"(`bench_lib/balance_traces.zipf`, seeds from {args.seed}: the same traces as "
+        f"`bench_balance.py` at the same batch) of {args.steps} decode steps, the permutation "
+        f"of experts drawn again half-way; a placement per window of {args.window} steps; every "
+        f"policy gets ceil({args.memory:g} x {info.num_experts} / servers) expert slots per "
+        f"server and layer; CV target {cv_target:g}; *eplb-sglang* rebalances every "
+        f"{args.eplb_period} steps and starts from EPLB's placement of the first half (as in "
+        f"`bench_balance.py`). Means over windows 1.. and MoE layers: **max/mean**, the busiest "
+        "server's tokens over the mean per window (*per step*: in one step); straggler time "
+        f"measured with the expert servers' kernel on {args.measure_windows} windows per trace "
+        "and setting (the slowest server's call per step and layer, the fastest of "
+        f"{args.repeat} repeats), modelled with one fit over the run's calls for every window "
+        f"(c = {c * 1e6:.2f} us, a = {a * 1e6:.3f} us per entry, b = {b * 1e6:.3f} us per "
+        f"weight set, R^2 = {r2:.2f}); *below*: 1 - time / eplb-sglang's time.")
+    report.add(table(rows, info.num_experts))
+    report.add(summary(rows))
+    plot(args.plot, rows)
+    report.add(f"Chart: `{args.plot.name}`.")
+    report.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
