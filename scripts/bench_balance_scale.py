@@ -49,10 +49,10 @@ def numbers(kind):
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="The default run takes about 10 minutes on 2 CPU cores (placing 64 windows per "
+        epilog="The default run takes about 4 minutes on 2 CPU cores (placing 64 windows per "
                "trace and setting, and timing the kernel on 8 of them); --servers 4,8 "
-               "--batches 32,256 --zipf 1.4 --measure-windows 2 takes about 2. Run it on an "
-               "otherwise idle machine.")
+               "--batches 32,256 --zipf 1.4 --measure-windows 2 takes under a minute. Run it on "
+               "an otherwise idle machine.")
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-moe-stdlib",
                         help="the trained checkpoint whose experts the kernel runs; default "
                              "models/tiny-moe-stdlib")
