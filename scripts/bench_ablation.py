@@ -39,7 +39,7 @@ from bench_eaas import (
     bench_workload,
     check_workload_args,
 )
-from bench_lib.report import Report, default_out
+from bench_lib.report import Report, default_out, pyplot, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 EAAS = "eaas"
@@ -111,16 +111,14 @@ def changes(results: dict[str, dict[int, Result]]) -> str:
 
 
 def chart(results: dict[str, dict[int, Result]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     mono = results["monolithic"]
     batches = list(mono)
     names = list(results)
     width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(9.5, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4), dpi=100)
     for i, name in enumerate(names):
         ratios = [results[name][b].tok_per_s / mono[b].tok_per_s for b in batches]
         ax.bar([x + i * width for x in range(len(batches))], ratios, width, label=name)
@@ -130,8 +128,7 @@ def chart(results: dict[str, dict[int, Result]], path: Path) -> None:
     ax.set_ylabel("output tok/s / monolithic SGLang")
     ax.set_title("--eaas ablation on the bench checkpoint (2 CPU cores)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path)
 
 
 def main() -> int:

@@ -27,7 +27,7 @@ import numpy as np
 
 from bench_lib.balance_policies import LABELS, POLICIES, place_trace
 from bench_lib.balance_traces import MIXES, REQUEST_TOKENS, StepTrace
-from bench_lib.report import Report, default_out, save_figure, say
+from bench_lib.report import Report, default_out, pyplot, save_figure, say
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_RATIO, GOAL_GAIN = 1.1, 0.20
@@ -175,13 +175,8 @@ def live_section(args, trace: StepTrace, outcomes: dict, servers: list[str]) -> 
 
 
 def plot(path: Path, traces: list[StepTrace], results: dict, window: int) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        say("no plot: matplotlib is missing (pip install -e '.[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     shown = [next(t for t in traces if t.kind == kind) for kind in ("recorded", "zipf")
              if any(t.kind == kind for t in traces)]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_lib.report import Report, default_out, save_figure, say
+from bench_lib.report import Report, default_out, pyplot, save_figure, say
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_RATIO, GOAL_GAIN = 1.1, 0.20
@@ -159,13 +159,8 @@ def summary(rows: list[dict]) -> str:
 
 
 def plot(path: Path, rows: list[dict]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        say("no plot: matplotlib is missing (pip install -e '.[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     batches = sorted({r["batch"] for r in rows})

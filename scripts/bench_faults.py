@@ -38,7 +38,7 @@ from sglang_eaas.protocol.control import probe
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError, free_port
 
-from bench_lib.report import Report, default_out, save_figure, say
+from bench_lib.report import Report, default_out, pyplot, save_figure, say
 from bench_lib.streams import Run, closed_loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,13 +176,8 @@ def recovery(run: Run, kill_at: float, full: float, duration: float) -> float | 
 
 
 def plot(path: Path, base: Run, faulty: Run, kills: list[float], args) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        say("no plot: matplotlib is missing (pip install -e '.[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     edges = [i * args.bin for i in range(int(args.duration / args.bin))]
     fig, ax = plt.subplots(figsize=(9, 3.6), dpi=110)

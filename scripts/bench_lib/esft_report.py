@@ -12,7 +12,7 @@ import numpy as np
 
 from bench_lib.esft_live import BASE, Live, Measured
 from bench_lib.esft_timing import RerouteTiming
-from bench_lib.report import save_figure, say
+from bench_lib.report import pyplot, save_figure
 
 MIB = 2 ** 20
 EXPERTS = "expert servers"  # esft_probes.ROLES' name for them
@@ -274,13 +274,8 @@ def goal(live: Live, t: RerouteTiming, info, label: str) -> tuple[str, bool]:
 
 
 def plot(path: Path, live: Live, rows: list[MemoryRow]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        say("no plot: matplotlib is missing (pip install -e '.[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     counts = [r.count for r in rows]
     xs = range(len(counts))  # evenly spaced, labelled with the counts

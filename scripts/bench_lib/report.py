@@ -77,6 +77,20 @@ def default_out(name: str) -> Path:
     return DEFAULT_DIR / f"{name}.md"
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None (and a line saying so) when
+    matplotlib is not installed: a benchmark's plot is optional, its tables are not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("no plot: matplotlib is missing (pip install -e '.[bench]')")
+        return None
+    return plt
+
+
 def save_figure(fig, path: Path, rect: tuple[float, float, float, float] | None = None) -> None:
     """A matplotlib figure to ``path`` (PNG), laid out (within ``rect`` of the figure, when a
     figure legend takes the rest); its parent made if missing."""
