@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -106,29 +107,54 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def setting_rows(trace, servers: int, slots: int, outcomes: dict, straggler: dict,
-                 coef: tuple, window: int) -> dict:
-    """One table row's numbers for one trace at one setting."""
+@dataclass(frozen=True)
+class Row:
+    """One trace at one setting: max/mean per window (per step for moeless), straggler time
+    (us, measured), and how much lower than a base's each policy's time is (fractions)."""
+
+    servers: int
+    slots: int
+    trace: str
+    batch: int
+    entries: int  # per MoE layer per step
+    none: float
+    sglang: float
+    moeless: float
+    step: float
+    sglang_us: float
+    moeless_us: float
+    gain: float  # moeless below eplb-sglang, measured
+    gain_modelled: float
+    bound: float  # oracle below eplb-sglang, measured
+    bound_modelled: float
+    fresh: float  # moeless below eplb, measured
+
+    @property
+    def met(self) -> bool:
+        return self.moeless <= GOAL_RATIO and min(self.gain, self.gain_modelled) >= GOAL_GAIN
+
+
+def setting_row(trace, servers: int, slots: int, outcomes: dict, straggler: dict,
+                coef: tuple, window: int) -> Row:
     from bench_lib.balance_report import below
 
     def ratio(p: str) -> float:
         return float(outcomes[p].ratio[1:].mean())
 
-    gain, gain_modelled = below(outcomes, straggler, coef, window, "moeless", "eplb-sglang")
-    bound, bound_modelled = below(outcomes, straggler, coef, window, "oracle", "eplb-sglang")
-    fresh, _ = below(outcomes, straggler, coef, window, "moeless", "eplb")
-    return dict(servers=servers, slots=slots, trace=trace.name,
-                batch=trace.ids.shape[2], entries=trace.ids.shape[2] * trace.ids.shape[3],
-                none=ratio("none"), sglang=ratio("eplb-sglang"), moeless=ratio("moeless"),
-                step=float(outcomes["moeless"].step_ratio()[window:].mean()),
-                sglang_us=float(straggler["eplb-sglang"].mean()) * 1e6,
-                moeless_us=float(straggler["moeless"].mean()) * 1e6,
-                gain=gain, gain_modelled=gain_modelled, bound=bound,
-                bound_modelled=bound_modelled, fresh=fresh,
-                met=ratio("moeless") <= GOAL_RATIO and min(gain, gain_modelled) >= GOAL_GAIN)
+    def lower(policy: str, base: str) -> tuple[float, float]:
+        return below(outcomes, straggler, coef, window, policy, base)
+
+    batch, top_k = trace.ids.shape[2], trace.ids.shape[3]
+    return Row(servers, slots, trace.name, batch, batch * top_k, ratio("none"),
+               ratio("eplb-sglang"), ratio("moeless"),
+               float(outcomes["moeless"].step_ratio()[window:].mean()),
+               float(straggler["eplb-sglang"].mean()) * 1e6,
+               float(straggler.moeless.mean()) * 1e6,
+               *lower("moeless", "eplb-sglang"), *lower("oracle", "eplb-sglang"),
+               lower("moeless", "eplb")[0])
 
 
-def table(rows: list[dict], experts: int) -> str:
+def table(rows: list[Row], experts: int) -> str:
     lines = [
         "| servers | experts / server | slots / server | batch | entries / server / step "
         "| trace | max/mean none | eplb-sglang | moeless | moeless per step "
@@ -138,48 +164,47 @@ def table(rows: list[dict], experts: int) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['servers']} | {experts / r['servers']:g} | {r['slots']} | {r['batch']} | "
-            f"{r['entries'] / r['servers']:g} | {r['trace']} | {r['none']:.3f} | "
-            f"{r['sglang']:.3f} | {r['moeless']:.3f} | {r['step']:.3f} | "
-            f"{r['sglang_us']:.1f} | {r['moeless_us']:.1f} | {r['gain']:.1%} | "
-            f"{r['gain_modelled']:.1%} | {r['bound']:.1%} | {r['bound_modelled']:.1%} | "
-            f"{r['fresh']:.1%} | {'met' if r['met'] else 'not met'} |")
+            f"| {r.servers} | {experts / r.servers:g} | {r.slots} | {r.batch} | "
+            f"{r.entries / r.servers:g} | {r.trace} | {r.none:.3f} | "
+            f"{r.sglang:.3f} | {r.moeless:.3f} | {r.step:.3f} | "
+            f"{r.sglang_us:.1f} | {r.moeless_us:.1f} | {r.gain:.1%} | "
+            f"{r.gain_modelled:.1%} | {r.bound:.1%} | {r.bound_modelled:.1%} | "
+            f"{r.fresh:.1%} | {'met' if r.met else 'not met'} |")
     return "\n".join(lines)
 
 
-def summary(rows: list[dict]) -> str:
-    met = [r for r in rows if r["met"]]
-    settings = sorted({(r["servers"], r["batch"]) for r in rows})
-    whole = [s for s in settings if all(r["met"] for r in rows if (r["servers"], r["batch"]) == s)]
+def summary(rows: list[Row]) -> str:
+    met = [r for r in rows if r.met]
+    settings = sorted({(r.servers, r.batch) for r in rows})
+    whole = [s for s in settings if all(r.met for r in rows if (r.servers, r.batch) == s)]
+    where = ", ".join(f"{n} servers x batch {b}" for n, b in whole) or "no setting"
     return (f"Goal (issue 12: max/mean <= {GOAL_RATIO} and >= {GOAL_GAIN:.0%} lower straggler "
             "time than EPLB as SGLang runs it, measured and modelled both): met in "
-            f"{len(met)} of {len(rows)} "
-            "rows; on every trace at " + (", ".join(f"{n} servers x batch {b}"
-                                                   for n, b in whole) or "no setting") + ".")
+            f"{len(met)} of {len(rows)} rows; on every trace at {where}.")
 
 
-def plot(path: Path, rows: list[dict]) -> None:
+def plot(path: Path, rows: list[Row]) -> None:
     plt = pyplot()
     if plt is None:
         return
-    traces = list(dict.fromkeys(r["trace"] for r in rows))
-    batches = sorted({r["batch"] for r in rows})
+    traces = list(dict.fromkeys(r.trace for r in rows))
+    batches = sorted({r.batch for r in rows})
     fig, axes = plt.subplots(1, len(traces), figsize=(5.2 * len(traces), 4.2), dpi=110,
                              squeeze=False, sharey=True)
     for ax, name in zip(axes[0], traces):
         for i, batch in enumerate(batches):
-            got = sorted((r["servers"], r["gain"], r["bound"]) for r in rows
-                         if r["trace"] == name and r["batch"] == batch)
-            servers = [g[0] for g in got]
-            ax.plot(servers, [100 * g[1] for g in got], marker="o", color=f"C{i}",
+            got = sorted((r for r in rows if r.trace == name and r.batch == batch),
+                         key=lambda r: r.servers)
+            servers = [r.servers for r in got]
+            ax.plot(servers, [100 * r.gain for r in got], marker="o", color=f"C{i}",
                     label=f"moeless, batch {batch}")
-            ax.plot(servers, [100 * g[2] for g in got], linestyle=":", color=f"C{i}",
+            ax.plot(servers, [100 * r.bound for r in got], linestyle=":", color=f"C{i}",
                     label=f"oracle, batch {batch}")
         ax.axhline(100 * GOAL_GAIN, color="grey", linestyle="--", linewidth=1,
                    label=f"goal ({GOAL_GAIN:.0%})")
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["servers"] for r in rows}),
-                      [str(n) for n in sorted({r["servers"] for r in rows})])
+        ax.set_xticks(sorted({r.servers for r in rows}),
+                      [str(n) for n in sorted({r.servers for r in rows})])
         ax.set_title(f"{name}: straggler time below eplb-sglang")
         ax.set_xlabel("expert servers (same memory per layer)")
         ax.set_ylabel("% lower than eplb-sglang (measured)")
@@ -220,9 +245,9 @@ def main() -> int:
                                      lambda line: None)))
     samples = np.concatenate([m.samples for *_, m in runs])
     c, a, b, r2 = fit(samples)
-    rows = [setting_rows(trace, n, slots, outcomes, m.straggler, (c, a, b), args.window)
+    rows = [setting_row(trace, n, slots, outcomes, m.straggler, (c, a, b), args.window)
             for trace, n, slots, outcomes, m in runs]
-    rows.sort(key=lambda r: (r["trace"], r["batch"], r["servers"]))
+    rows.sort(key=lambda r: (r.trace, r.batch, r.servers))
     report.add(
         f"Trained checkpoint `{args.model.name}`'s experts ({info.num_experts} per MoE layer, "
         f"top-{info.top_k}, {len(info.moe_layers)} MoE layers) on synthetic Zipf traces "
