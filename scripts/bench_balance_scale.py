@@ -149,7 +149,7 @@ def setting_row(trace, servers: int, slots: int, outcomes: dict, straggler: dict
                ratio("eplb-sglang"), ratio("moeless"),
                float(outcomes["moeless"].step_ratio()[window:].mean()),
                float(straggler["eplb-sglang"].mean()) * 1e6,
-               float(straggler.moeless.mean()) * 1e6,
+               float(straggler["moeless"].mean()) * 1e6,
                *lower("moeless", "eplb-sglang"), *lower("oracle", "eplb-sglang"),
                lower("moeless", "eplb")[0])
 

@@ -31,3 +31,25 @@ def test_summary_names_the_settings_where_every_trace_meets_it():
     text = summary(rows)
     assert "met in 3 of 4 rows" in text and text.endswith("at 8 servers x batch 256.")
     assert summary(rows[3:]).endswith("at no setting.")
+
+
+def test_setting_row_reads_each_policy_from_the_placements_and_timings():
+    import numpy as np
+
+    from bench_balance_scale import POLICIES, setting_row
+    from bench_lib.balance_policies import place_trace
+    from bench_lib.balance_traces import zipf
+
+    trace = zipf(1.2, [0, 1], 8, top_k=2, steps=64, batch=8, hidden=16, seed=0)
+    outcomes = place_trace(trace, ["a", "b", "c"], 4, window=8, eplb_period=1000,
+                           cv_target=0.2, policies=POLICIES)
+    seconds = {"none": 5e-6, "eplb-sglang": 4e-6, "eplb": 3.2e-6, "moeless": 3e-6,
+               "oracle": 2e-6}
+    straggler = {p: np.full((2, 8, 2), s) for p, s in seconds.items()}
+    row = setting_row(trace, 3, 4, outcomes, straggler, (1e-6, 1e-7, 0.0), 8)
+    assert (row.servers, row.slots, row.batch, row.entries) == (3, 4, 8, 16)
+    assert abs(row.sglang_us - 4.0) < 1e-9 and abs(row.moeless_us - 3.0) < 1e-9
+    assert abs(row.gain - 0.25) < 1e-9 and abs(row.bound - 0.5) < 1e-9
+    assert abs(row.fresh - (1 - 3 / 3.2)) < 1e-9
+    assert row.none == outcomes["none"].ratio[1:].mean()
+    assert row.moeless == outcomes["moeless"].ratio[1:].mean()
