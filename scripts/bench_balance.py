@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_lib.balance_flags import add_placement_flags, check_placement_flags
 from bench_lib.balance_policies import LABELS, POLICIES, place_trace
 from bench_lib.balance_traces import MIXES, REQUEST_TOKENS, StepTrace
 from bench_lib.report import Report, default_out, pyplot, save_figure, say
@@ -45,8 +46,7 @@ def parse_args() -> argparse.Namespace:
         "--no-live --measure-windows 2 --zipf 1.2 --shifts A:B takes about a minute. Run it on "
         "an otherwise idle machine. Mixes: " + "; ".join(
             f"{k} = {name} ({', '.join(pk)})" for k, (name, pk) in MIXES.items()))
-    p.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-moe-stdlib",
-                   help="the trained checkpoint; default models/tiny-moe-stdlib")
+    add_placement_flags(p)
     p.add_argument("--predictors", type=Path, default=None,
                    help="its layer-aware predictors (distance 1); default "
                    "MODEL/predictors/d1.safetensors")
@@ -62,23 +62,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32,
                    help="requests per decode step (one token each); default 32, the "
                    "predictors' step size")
-    p.add_argument("--window", type=int, default=16,
-                   help="decode steps per placement window; default 16")
     p.add_argument("--servers", type=int, default=4, help="expert servers; default 4")
     p.add_argument("--slots", type=int, default=None,
                    help="expert slots per MoE layer per server, the same for every policy; "
                    "default experts / servers + 2")
-    p.add_argument("--eplb-period", type=int, default=1000,
-                   help="decode steps between two rebalances of the eplb-sglang policy, on the "
-                   "load of the steps since the last; default 1000, SGLang's "
-                   "--eplb-rebalance-num-iterations default (its recorder's buffer is as long)")
-    p.add_argument("--cv-target", type=float, default=None,
-                   help="the scaler's CV target; default the scaler's (0.2)")
-    p.add_argument("--measure-windows", type=int, default=8,
-                   help="windows per trace whose straggler time is measured with the kernel "
-                   "(spread over the trace, the first after the shift among them); default 8")
-    p.add_argument("--repeat", type=int, default=5,
-                   help="timed calls per server share (the fastest counts); default 5")
     p.add_argument("--seed", type=int, default=0, help="seed of the Zipf traces; default 0")
     p.add_argument("--no-live", action="store_true",
                    help="skip the live part (no SGLang server is started)")
@@ -101,6 +88,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None,
                    help="PNG of max/mean per window; default --out with .png")
     args = p.parse_args()
+    check_placement_flags(p, args)
     args.out = args.out or default_out("balance")
     args.plot = args.plot or args.out.with_suffix(".png")
     args.predictors = args.predictors or args.model / "predictors" / "d1.safetensors"
@@ -118,12 +106,10 @@ def parse_args() -> argparse.Namespace:
     if args.window < 1 or (2 * args.requests_per_half // args.batch * REQUEST_TOKENS
                            < 4 * args.window):
         p.error("--window must be >= 1 and leave at least 4 windows in a trace")
-    if args.cv_target is not None and not args.cv_target >= 0:
-        p.error("--cv-target must be a number >= 0")
     if args.slots is not None and args.slots < 1:
         p.error("--slots must be >= 1")
-    if min(args.servers, args.measure_windows, args.repeat, args.eplb_period) < 1:
-        p.error("--servers, --measure-windows, --repeat and --eplb-period must be >= 1")
+    if args.servers < 1:
+        p.error("--servers must be >= 1")
     if (min(args.live_concurrency, args.live_prompt_tokens, args.live_rounds) < 1
             or args.live_output_len < 2 or args.live_duration <= 5):
         p.error("the --live-* numbers must be >= 1 (--live-output-len >= 2, --live-duration > 5)")

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_lib.balance_flags import add_placement_flags, check_placement_flags
 from bench_lib.report import Report, default_out, pyplot, save_figure, say
 
-ROOT = Path(__file__).resolve().parent.parent
 GOAL_RATIO, GOAL_GAIN = 1.1, 0.20
 POLICIES = ("none", "eplb-sglang", "eplb", "moeless", "oracle")
 
@@ -54,9 +54,7 @@ def parse_args() -> argparse.Namespace:
                "trace and setting, and timing the kernel on 8 of them); --servers 4,8 "
                "--batches 32,256 --zipf 1.4 --measure-windows 2 takes under a minute. Run it on "
                "an otherwise idle machine.")
-    parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-moe-stdlib",
-                        help="the trained checkpoint whose experts the kernel runs; default "
-                             "models/tiny-moe-stdlib")
+    add_placement_flags(parser)
     parser.add_argument("--servers", type=numbers(int), default=[4, 8, 16],
                         help="expert server counts, comma-separated; default 4,8,16")
     parser.add_argument("--batches", type=numbers(int), default=[32, 128, 256],
@@ -72,19 +70,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=1024,
                         help="decode steps per trace (the Zipf permutation changes half-way); "
                              "default 1024")
-    parser.add_argument("--window", type=int, default=16,
-                        help="decode steps per placement window; default 16")
-    parser.add_argument("--eplb-period", type=int, default=1000,
-                        help="decode steps between two rebalances of eplb-sglang; default 1000, "
-                             "SGLang's --eplb-rebalance-num-iterations default")
-    parser.add_argument("--cv-target", type=float, default=None,
-                        help="the scaler's CV target; default the scaler's (0.2)")
-    parser.add_argument("--measure-windows", type=int, default=8,
-                        help="windows per trace and setting whose straggler time is measured "
-                             "with the kernel (the first after the shift among them); default "
-                             "8, bench_balance's")
-    parser.add_argument("--repeat", type=int, default=5,
-                        help="timed calls per server share (the fastest counts); default 5")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the first Zipf trace (the next ones: +1, +2, ...); "
                              "default 0")
@@ -95,14 +80,9 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.memory < 1:
         parser.error(f"--memory {args.memory:g} cannot hold every expert once (it must be >= 1)")
-    for name in ("steps", "window", "eplb_period", "measure_windows", "repeat"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    check_placement_flags(parser, args)
     if args.steps < 4 * args.window:
         parser.error(f"--steps {args.steps} must give at least 4 windows of {args.window}")
-    if not args.model.is_dir():
-        parser.error(f"--model {args.model} is not a directory (models/tiny-moe-stdlib comes "
-                     "with the repository)")
     args.plot = args.plot or args.out.with_suffix(".png")
     return args
 
