@@ -178,9 +178,7 @@ def plot(path: Path, traces: list[StepTrace], results: dict, window: int) -> Non
         ax.set_title(f"{trace.name}: {window}-step windows")
         ax.set_xlabel("window")
         ax.set_ylabel("busiest server / mean (mean over MoE layers)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
-    save_figure(fig, path, rect=(0, 0.14, 1, 1))
+    save_figure(fig, path, legend_below=3)
 
 
 def main() -> int:

@@ -188,9 +188,7 @@ def plot(path: Path, rows: list[Row]) -> None:
         ax.set_title(f"{name}: straggler time below eplb-sglang")
         ax.set_xlabel("expert servers (same memory per layer)")
         ax.set_ylabel("% lower than eplb-sglang (measured)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
-    save_figure(fig, path, rect=(0, 0.14, 1, 1))
+    save_figure(fig, path, legend_below=4)
 
 
 def main() -> int:

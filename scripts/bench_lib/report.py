@@ -91,9 +91,16 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, path: Path, rect: tuple[float, float, float, float] | None = None) -> None:
-    """A matplotlib figure to ``path`` (PNG), laid out (within ``rect`` of the figure, when a
-    figure legend takes the rest); its parent made if missing."""
+def save_figure(fig, path: Path, legend_below: int = 0) -> None:
+    """A matplotlib figure to ``path`` (PNG), laid out; its parent made if missing. With
+    ``legend_below`` > 0, the first chart's legend goes under all the charts, in that many
+    columns (one legend for charts that share their lines)."""
+    rect = None
+    if legend_below:
+        handles, labels = fig.axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=legend_below, fontsize=7,
+                   frameon=False)
+        rect = (0, 0.14, 1, 1)
     fig.tight_layout(rect=rect)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
