@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sglang_eaas.tools.make_tiny_model import PRESETS, ModelSpec, cached_model
-from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer
+from sglang_eaas.tools.server_process import CPU_ARGS, CPU_DEVICE_ARGS, SGLangServer
 
 # The shared secret of every expert server the tests start (inherited by their processes).
 os.environ.setdefault("SGLANG_EAAS_TOKEN", "sglang-eaas-test-token")
@@ -45,13 +45,29 @@ def open_log(name: str):
     return open(path, "w")
 
 
-def start_server(model: Path, *args: str, name: str,
-                 env: dict[str, str] | None = None) -> SGLangServer:
+def start_server(model: Path, *args: str, name: str, env: dict[str, str] | None = None,
+                 small_kv: bool = True) -> SGLangServer:
     """A float32 CPU server on ``model`` (``env`` added to this process's environment); its log
-    goes to .cache/logs/test/NAME.log."""
+    goes to .cache/logs/test/NAME.log. ``small_kv=False`` leaves out ``--max-total-tokens 4096``:
+    the KV pools sized as a user's server's would be (from the host's memory)."""
     log_path = CACHE / "logs" / "test" / f"{name}.log"
-    return SGLangServer(model, *CPU_ARGS, "--dtype", "float32", *args, log_path=log_path,
+    cpu_args = CPU_ARGS if small_kv else CPU_DEVICE_ARGS
+    return SGLangServer(model, *cpu_args, "--dtype", "float32", *args, log_path=log_path,
                         env=env).start()
+
+
+def resident_bytes(server: SGLangServer) -> int:
+    """Resident memory of the server's process tree (launcher, ranks, detokenizer)."""
+    import psutil
+
+    root = psutil.Process(server.process.pid)
+    total = 0
+    for process in (root, *root.children(recursive=True)):
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""The CPU runtime: activation rules, the sgl_kernel stand-in, core binding, the EP>1 MoE fix."""
+"""The CPU runtime: activation rules, the sgl_kernel stand-in, core binding, KV pool sizing, the
+EP>1 MoE fix."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from sglang_eaas import cpu_runtime
 from sglang_eaas.cpu_runtime.moe_native_ep import moe_forward_native_ep
-from sglang_eaas.cpu_runtime.server_defaults import cpu_threads_binding
+from sglang_eaas.cpu_runtime.server_defaults import cpu_threads_binding, rank_mem_fraction
 
 PROBE = (
     "import os, sys; from sglang_eaas import cpu_runtime as c; "
@@ -91,6 +92,49 @@ def test_unimplemented_names_raise_clearly():
 )
 def test_cpu_threads_binding(ranks, cpus, expected):
     assert cpu_threads_binding(ranks, cpus) == expected
+
+
+@pytest.mark.parametrize(
+    "sglang_fraction, ranks, numa_nodes, expected",
+    [(0.716, 1, 1, 0.5),  # --tp 1 on a 24 GiB host: half the host, not SGLang's 0.716
+     (0.95, 2, 1, 0.25),  # --tp 2 on one node: SGLang's 0.95 each was 1.9 hosts in all
+     (0.95, 4, 1, 0.125),
+     (0.3, 1, 1, 0.3), (0.3, 2, 1, 0.15),  # never above SGLang's own fraction (small hosts)
+     (0.95, 2, 2, 0.5),  # one rank per NUMA node: each has its node's memory, as in SGLang
+     (0.95, 3, 2, 0.25), (0.95, 4, 2, 0.25)],
+)
+def test_rank_mem_fraction(sglang_fraction, ranks, numa_nodes, expected):
+    assert rank_mem_fraction(sglang_fraction, ranks, numa_nodes) == expected
+
+
+@pytest.mark.cpu_only  # the sizing applies where the runtime is active
+def test_ranks_share_the_host_memory_unless_the_user_sized_it(monkeypatch, tiny_qwen3):
+    """SGLang's own resolution, with the plugin's hooks: each rank's mem_fraction_static is
+    SGLang's own (what it resolves when the user gives --max-total-tokens) split per
+    rank_mem_fraction; a user's --mem-fraction-static or --max-total-tokens is left alone."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils.common import get_cpu_ids_by_node
+
+    load_plugins()
+    numa_nodes = len(get_cpu_ids_by_node()) or 1
+
+    def resolved(*args: str):
+        # The runtime binds each rank's cores in this process's environment; unset after the test.
+        monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "")
+        monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND")
+        server_args = prepare_server_args(
+            ["--model-path", str(tiny_qwen3), "--device", "cpu", *args])
+        server_args.resolve_once()
+        view = resolved_view(server_args)
+        return view.mem_fraction_static, view.max_total_tokens
+
+    for ranks, args in ((1, ()), (2, ("--tp", "2")), (4, ("--tp", "2", "--pp-size", "2"))):
+        sglang_own, tokens = resolved(*args, "--max-total-tokens", "4096")
+        assert tokens == 4096  # SGLang's own fraction: 0.716 on a 24 GiB host, 0.95 for > 1 rank
+        assert resolved(*args) == (rank_mem_fraction(sglang_own, ranks, numa_nodes), None)
+    assert resolved("--tp", "2", "--mem-fraction-static", "0.6") == (0.6, None)
 
 
 class _Experts(torch.nn.Module):

@@ -154,6 +154,13 @@ HOOKS: tuple[Hook, ...] = (
         "CPU runtime defaults: torch_native attention, sleep-on-idle, per-rank core binding",
     ),
     Hook(
+        "sglang.srt.arg_groups.memory_hook.handle_gpu_memory_settings",
+        "AROUND",
+        server_defaults.size_kv_pools,
+        "CPU runtime: the ranks of one server share the host's memory (mem_fraction_static "
+        "split between the ranks on a NUMA node) instead of each sizing its KV pool to all of it",
+    ),
+    Hook(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.__init__",
         "AFTER",
         attention.add_seq_len_fill_value,

@@ -5,6 +5,8 @@
 * ``--sleep-on-idle``: otherwise the idle scheduler busy-polls a whole core.
 * ``SGLANG_CPU_OMP_THREADS_BIND``: with more ranks than NUMA nodes SGLang asserts unless each
   rank's cores are given; the usable cores are split evenly across ranks (shared if too few).
+* ``--mem-fraction-static``: the ranks of one server share the host's memory instead of each
+  sizing its KV pool to all of it (``size_kv_pools``; ``rank_mem_fraction`` has the arithmetic).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from typing import Any, Callable
 from sglang_eaas import cpu_runtime
 
 SOURCE = "sglang_eaas.cpu_runtime"
+# At most this share of the memory available when a server starts goes to the static memory
+# (model weights + KV pools) of all its ranks together; see rank_mem_fraction.
+HOST_STATIC_SHARE = 0.5
 
 
 def cpu_threads_binding(num_ranks: int, cpus: list[int]) -> str:
@@ -45,9 +50,74 @@ def apply(handle_cpu_backends: Callable[[Any], None], server_args: Any) -> None:
             declare_resolution(server_args, SOURCE, attention_backend="torch_native")
         if not cfg.sleep_on_idle:
             declare_resolution(server_args, SOURCE, sleep_on_idle=True)
-        num_ranks = cfg.tp_size * cfg.pp_size * max(cfg.dp_size, 1)
+        num_ranks = server_ranks(cfg)
         if num_ranks > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_binding(
                 num_ranks, sorted(os.sched_getaffinity(0))
             )
     handle_cpu_backends(server_args)
+
+
+def server_ranks(cfg: Any) -> int:
+    """Scheduler processes (ranks) of one server: ``tp * pp * dp``, over all its nodes."""
+    return cfg.tp_size * cfg.pp_size * max(cfg.dp_size, 1)
+
+
+def rank_mem_fraction(sglang_fraction: float, ranks_on_host: int, numa_nodes: int) -> float:
+    """``--mem-fraction-static`` for each rank of a server with ``ranks_on_host`` ranks here.
+
+    How SGLang 0.5.23 sizes a rank's KV pool on a CPU: before loading the model the rank takes
+    ``pre`` = the host's available memory / NUMA nodes (``get_available_gpu_memory``, minimum
+    over the ranks); after loading, its pool gets ``now - pre * (1 - f)``
+    (``KVCacheConfigurator._profile_available_bytes``), ``now`` being what is available then and
+    ``f`` mem_fraction_static: ``f * pre`` less what the load took. The pool is zero-filled, so
+    resident from start-up. SGLang assumes one rank per NUMA node; with ``r`` ranks on one node
+    each takes ``f`` of the node, ``r * f`` in all. Its default ``f``
+    (``handle_gpu_memory_settings``) is ``(capacity - reserve) / capacity`` (0.716 on a 24 GiB
+    host: about 6.7 GiB kept for activations) but 0.95 once the ranks outnumber the NUMA nodes
+    (core binding set: it cannot tell a rank's memory), so ``--tp 2`` on one node asks for 1.9
+    times the available memory.
+
+    Here each rank gets ``min(f, HOST_STATIC_SHARE) / k``, ``k = ceil(ranks_on_host /
+    numa_nodes)`` the ranks sharing a node: the weights and KV pools of all ranks together take
+    at most half the memory available at start, and never more than SGLang's own ``f`` for one
+    rank. The other half stays for the server's processes (launcher and detokenizer about 0.7 GiB
+    each, a rank 0.8 GiB and some 57 bytes a KV token of bookkeeping SGLang does not count: next
+    to a real model's tens of KB a token, nothing), activations and the rest of the host. E.g.
+    about 19.5 GiB available: ``--tp 1`` 0.5 (9.9 GiB of KV, was 0.716: 14.2 GiB), ``--tp 2`` 0.25 a
+    rank (4.8 GiB each, was 0.95 each: killed).
+
+    The load is charged to every rank of the node (``now`` is the node's), so the weights count
+    ``k`` times: safe, but weights above ``min(f, HOST_STATIC_SHARE) / k`` of the available
+    memory leave no KV pool; SGLang then names the ``--mem-fraction-static`` that would do.
+    """
+    assert ranks_on_host >= 1 and numa_nodes >= 1, (ranks_on_host, numa_nodes)
+    ranks_per_node = -(-ranks_on_host // numa_nodes)
+    return round(min(sglang_fraction, HOST_STATIC_SHARE) / ranks_per_node, 3)
+
+
+def size_kv_pools(handle_gpu_memory_settings: Callable[[Any], None], server_args: Any) -> None:
+    """AROUND hook of SGLang's ``handle_gpu_memory_settings`` resolution step (where it picks
+    mem_fraction_static): on the CPU runtime, the ranks' fraction from ``rank_mem_fraction``,
+    unless the user gave ``--mem-fraction-static`` or ``--max-total-tokens`` (theirs win)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    cfg = resolving_view(server_args)
+    # What the user typed: SGLang's own rules ask ``_raw_input`` too, the view also holds defaults.
+    given = getattr(server_args, "_raw_input", None) or {}
+    ours = (
+        cpu_runtime.is_active()
+        and cfg.device == "cpu"
+        and given.get("mem_fraction_static") is None
+        and given.get("max_total_tokens") is None
+    )
+    handle_gpu_memory_settings(server_args)
+    if ours:
+        from sglang.srt.utils.common import get_cpu_ids_by_node
+
+        cfg = resolving_view(server_args)
+        ranks_on_host = max(1, server_ranks(cfg) // max(cfg.nnodes, 1))
+        fraction = rank_mem_fraction(
+            cfg.mem_fraction_static, ranks_on_host, len(get_cpu_ids_by_node()) or 1
+        )
+        declare_resolution(server_args, SOURCE, mem_fraction_static=fraction)

@@ -18,8 +18,11 @@ from typing import Any
 import requests
 
 # What the CPU tests and the demo pass on top of the user's arguments. The CPU runtime supplies
-# torch_native attention and sleep-on-idle by itself; see docs/cpu-runtime.md.
-CPU_ARGS = ("--device", "cpu", "--max-total-tokens", "4096")
+# torch_native attention, sleep-on-idle and the KV pools' size by itself (docs/cpu-runtime.md);
+# --max-total-tokens 4096 keeps a test server's pool small where the runtime would give its ranks
+# up to half the host's available memory (GiBs, zero-filled: seconds of start-up).
+CPU_DEVICE_ARGS = ("--device", "cpu")
+CPU_ARGS = (*CPU_DEVICE_ARGS, "--max-total-tokens", "4096")
 PORT_ATTEMPTS = 3
 
 
