@@ -167,6 +167,42 @@ def test_device_exchange_equals_the_host_exchange(client_of, tiny_qwen3):
         assert got.abs().sum() > 0
 
 
+def test_a_client_the_monitor_lost_drives_its_new_connections(servers, tiny_qwen3):
+    """The monitor lost this client (a stall, say): it registers again and joins the same
+    servers afresh (new connections, same server ids), adopts them at a step boundary, and the
+    tier closes the old ones. The device step must then drive the new connections, not keep
+    the old ones' channels, whose regions are unmapped by then."""
+    from tier_steps import wait_until
+
+    from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
+
+    info = MoeModelInfo.from_model_path(tiny_qwen3)
+    monitor = MonitorServer(MonitorConfig(token=os.environ["SGLANG_EAAS_TOKEN"],
+                                          loss_timeout=30.0)).start()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        client = EaasClient([s.address for s in servers], info,
+                            ModelIdentity.of(tiny_qwen3, info), torch.float32, "rejoined",
+                            result_timeout=60.0, transport="device", monitor=monitor.address)
+    try:
+        x, ids, weights = _batch(info, 5, seed=5)
+        before = client.forward(0, x, ids, weights)
+        old = dict(client.view.connections)
+        client.tier.presence.register_again()  # as after a loss: a new incarnation
+
+        def step():
+            assert torch.equal(client.forward(0, x, ids, weights), before)
+
+        wait_until(lambda: all(c.region is None for c in old.values()), 30,
+                   "the old connections closed once the new ones are used", step=step)
+        assert client.tier.stats["recoveries"] == 1
+        assert not set(client.view.connections.values()) & set(old.values())
+        step()  # over the new connections' channels
+    finally:
+        client.close()
+        monitor.close()
+
+
 def test_the_device_exchange_reads_nothing_back(client_of, tiny_qwen3):
     """No call in the step's own code reads a tensor back to the host (what would break CUDA
     graph capture); the host check afterwards does, and is seen doing it."""

@@ -152,7 +152,7 @@ class EaasClient:
         conns = list(view.connections.values())
         if self._device_ok and conns and all(drives_devices(c) for c in conns):
             step = self._device_step
-            if step is not None and step.servers == view.table.servers:
+            if step is not None and step.drives(view):
                 step.load_table(view.table)  # the same tensors: a captured graph stays valid
             else:
                 self._device_step = DeviceStep(conns, view.table, self.result_timeout)

@@ -171,6 +171,14 @@ class DeviceStep:
                 channel.combine(out[chunk])
         return out
 
+    def drives(self, view) -> bool:
+        """Whether this step's channels are ``view``'s connections' (the same servers in the
+        same order, and the same connections: a client that joined its servers again, after
+        the monitor lost it, has new ones, and the old ones' regions are unmapped)."""
+        return self.servers == view.table.servers and all(
+            view.connections[server].device_channel is channel
+            for server, channel in zip(self.servers, self.channels))
+
     def load_table(self, table: RoutingTable) -> None:
         """Route by ``table`` from now on (same servers; between steps)."""
         self.routing.load(table)
