@@ -152,8 +152,8 @@ def live_section(args, trace: StepTrace, outcomes: dict, servers: list[str]) -> 
     from bench_lib.balance_policies import even
     from bench_lib.balance_report import live_table
 
-    first = even(servers, trace.layers, trace.num_experts).placement
-    order = [(p, o.placed[-1].placement) for p, o in outcomes.items()]
+    first = even(servers, trace.layers, trace.num_experts).holdings
+    order = [(p, o.placed[-1].holdings) for p, o in outcomes.items()]
     prompts = [args.tokenizer.decode(list(ids[:args.live_prompt_tokens]))
                for ids in trace.prompts]
     results = run_live(args.model, first, order, prompts, args, say)

@@ -30,13 +30,15 @@ from pathlib import Path
 
 
 from sglang_eaas import cpu_runtime, envs
-from sglang_eaas.balance.apply import apply_placement, live_placement
+from sglang_eaas.balance.apply import apply_placement
 from sglang_eaas.config import RESULT_TIMEOUT
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.monitor import connect
+from sglang_eaas.membership import connect
 from sglang_eaas.protocol.control import probe
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
-from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError, free_port
+from sglang_eaas.addresses import free_port
+from sglang_eaas.holdings import Holdings
+from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError
 
 from bench_lib.report import Report, default_out, pyplot, save_figure, say
 from bench_lib.streams import Run, closed_loop
@@ -109,7 +111,7 @@ def fault_label(args) -> str:
             f"{args.kills} servers {DONE[args.fault]}")
 
 
-def rotated(current: dict, step: int) -> dict:
+def rotated(current: Holdings, step: int) -> Holdings:
     """``current`` with, in every MoE layer, every ``4``th expert of each server (offset by
     ``step``) moved to the next server (by id) that holds no copy of it: each expert keeps its
     number of holders, so coverage never changes."""
@@ -123,8 +125,7 @@ def rotated(current: dict, step: int) -> dict:
                 if e in target[giver][layer] and e not in target[taker].setdefault(layer, set()):
                     target[giver][layer].discard(e)
                     target[taker][layer].add(e)
-    return {s: {layer: sorted(ids) for layer, ids in layers.items()} for s, layers in
-            target.items()}
+    return Holdings(target)
 
 
 def load(url: str, args, vocab: int, seed: int, faults=lambda run: None) -> Run:
@@ -229,14 +230,16 @@ def main() -> int:
             pids = {}
         else:
             victims = servers[:args.kills]
-            pids = {a: probe(a, envs.TOKEN.get())["pid"] for a in victims}
+            pids = {a: probe(a, envs.TOKEN.get()).pid for a in victims}
         sig = signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP
 
         def faults(run: Run) -> None:
             for i, (at, victim) in enumerate(zip(kill_at, victims)):
                 time.sleep(max(0.0, run.started + at - time.perf_counter()))
                 if args.fault == "replace":
-                    current = live_placement(connect(monitor, envs.TOKEN.get()).watch(-1, 0.0))
+                    watcher = connect(monitor, envs.TOKEN.get())
+                    current = watcher.watch(-1, 0.0).holdings()
+                    watcher.close()
                     done = apply_placement(current, rotated(current, i), envs.TOKEN.get(),
                                            grace=1.0)
                     took.append(done.seconds)

@@ -61,16 +61,16 @@ def counts_table(result: FuzzResult) -> str:
     stats = result.stats
     rows = [("slot: accepted requests (fuzzers + good client)",
              result.slot.expected["ok"] + (result.good.sent_per_server or [0])[0],
-             stats.get("requests", 0))]
+             stats.counter("requests"))]
     for reason in sorted(k for k in result.slot.expected if k != "ok"):
         rows.append((f"slot: rejected {reason}", result.slot.expected[reason],
-                     stats.get(f"rejected_{reason.lower()}", 0)))
-    refused = stats.get("control_refused", {})
+                     stats.counter(f"rejected_{reason.lower()}")))
+    refused = stats.control_refused
     for reason in sorted(set(result.control.expected) | set(refused)):
         rows.append((f"control: refused {reason}", result.control.expected[reason],
                      refused.get(reason, 0)))
     rows.append(("control: refused connections", result.control.refused_connections,
-                 stats.get("refused_connections", 0)))
+                 stats.refused_connections))
     lines = ["| counter | fuzzer expected | server counted |", "|---|---:|---:|"]
     lines += [f"| {what} | {expected} | {got} |" for what, expected, got in rows]
     return "\n".join(lines)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sglang_eaas.balance.evaluate import layer_load, layer_of, replica_counts
+from sglang_eaas.balance.evaluate import layer_load, replica_counts
 from sglang_eaas.balance.placer import Move, balance_model, moves, place_layer
 from sglang_eaas.balance.scaler import replica_cv, scale_layer
+from sglang_eaas.holdings import Holdings
 from sglang_eaas.placement import ExpertRouting, PlacementError, even_placement
 from sglang_eaas.routing_table import RoutingTable
 
@@ -38,7 +39,7 @@ def check_layer(placed: dict, replicas, servers, slots: int) -> None:
     for server, experts in placed.items():
         assert len(experts) <= slots, f"{server} holds {len(experts)} > {slots} slots"
         assert len(set(experts)) == len(experts), f"{server} holds an expert twice"
-        assert experts == sorted(experts)
+        assert list(experts) == sorted(experts)
     assert replica_counts(placed, len(replicas)).tolist() == list(replicas)
 
 
@@ -163,7 +164,7 @@ def test_zipf_load_is_balanced_to_max_over_mean_at_most_1_1(num_servers, slots, 
     even = {server: list(block) for server, block in
             zip(servers, even_placement(32, num_servers))}
     for row in range(4):
-        placed = layer_of(placement, row)
+        placed = placement.layer(row)
         assert layer_load(even, loads[row]).max_over_mean > 1.1  # really skewed
         assert layer_load(placed, loads[row]).max_over_mean <= 1.1
         check_layer(placed, replica_counts(placed, 32), servers, slots)
@@ -197,8 +198,8 @@ def test_a_small_load_change_moves_few_replicas(seed):
     warm = balance_model(changed, [0], servers, slots, previous=before)
     cold = balance_model(changed, [0], servers, slots)
     assert adds(before, warm) <= 2 < adds(before, cold)
-    scratch = layer_load(layer_of(cold, 0), changed[0]).max_over_mean
-    assert layer_load(layer_of(warm, 0), changed[0]).max_over_mean <= 1.05 * scratch + 1e-9
+    scratch = layer_load(cold.layer(0), changed[0]).max_over_mean
+    assert layer_load(warm.layer(0), changed[0]).max_over_mean <= 1.05 * scratch + 1e-9
 
 
 @pytest.mark.parametrize("num_servers,slots", [(4, 12), (8, 8)])
@@ -206,7 +207,7 @@ def test_a_small_load_change_moves_few_replicas(seed):
 def test_warm_placement_reuses_most_copies_after_a_larger_change(num_servers, slots, seed):
     servers = names(num_servers)
     load = zipf(32, 1.0, seed)
-    before = layer_of(balance_model(load[None], [0], servers, slots), 0)
+    before = balance_model(load[None], [0], servers, slots).layer(0)
     rng = np.random.default_rng(100 + seed)
     changed = np.round(load * rng.uniform(0.8, 1.2, size=32))  # counts change too
     replicas = scale_layer(changed, num_servers, num_servers * slots - 32)
@@ -239,8 +240,8 @@ def test_balancing_a_model_never_leaves_a_layer_worse_than_it_was(seed):
         previous = balance_model(rng.permuted(loads, axis=1), [0, 1], names(4), 3)
         placed = balance_model(loads, [0, 1], names(4), 3, previous=previous)
         for row in (0, 1):
-            was = layer_load(layer_of(previous, row), loads[row]).max_over_mean
-            assert layer_load(layer_of(placed, row), loads[row]).max_over_mean <= was + 1e-9
+            was = layer_load(previous.layer(row), loads[row]).max_over_mean
+            assert layer_load(placed.layer(row), loads[row]).max_over_mean <= was + 1e-9
 
 
 def test_servers_leaving_and_joining_between_placements():
@@ -249,19 +250,19 @@ def test_servers_leaving_and_joining_between_placements():
     placed = balance_model(loads, [0, 1], ["a", "c", "d"], 8, previous=previous)  # b left
     assert list(placed) == ["a", "c", "d"]
     for layer in (0, 1):
-        check_layer(layer_of(placed, layer), replica_counts(layer_of(placed, layer), 16),
+        check_layer(placed.layer(layer), replica_counts(placed.layer(layer), 16),
                     ["a", "c", "d"], 8)
     assert placed["d"][0] or placed["d"][1]  # the new server is used
     kept = sum(len(set(placed[s][layer]) & set(previous[s][layer]))
                for s in ("a", "c") for layer in (0, 1))
     assert kept >= sum(len(previous[s][layer]) for s in ("a", "c") for layer in (0, 1)) // 2
     with pytest.raises(PlacementError, match="outside 0..15"):
-        balance_model(loads, [0, 1], ["a"], 16, previous={"a": {0: [16], 1: [0]}})
+        balance_model(loads, [0, 1], ["a"], 16, previous=Holdings({"a": {0: [16], 1: [0]}}))
 
 
 def test_moves_lists_adds_and_drops_per_layer_and_server():
-    old = {"a": {0: [1, 2], 1: [0]}, "b": {0: [3], 1: [1]}}
-    new = {"a": {0: [2, 3], 1: [0]}, "c": {0: [1], 1: [1]}}
+    old = Holdings({"a": {0: [1, 2], 1: [0]}, "b": {0: [3], 1: [1]}})
+    new = Holdings({"a": {0: [2, 3], 1: [0]}, "c": {0: [1], 1: [1]}})
     assert moves(old, new) == [Move(0, "a", (3,), (1,)), Move(0, "b", (), (3,)),
                                Move(0, "c", (1,), ()), Move(1, "b", (), (1,)),
                                Move(1, "c", (1,), ())]
@@ -316,15 +317,15 @@ def test_eplb_is_called_and_mapped_one_gpu_per_server():
     result = eplb_placement(loads, [3, 7], ["x", "y", "z"], slots=4)
     assert result.physical_to_logical.shape == (2, 12)
     for layer in (3, 7):
-        placed = layer_of(result.placement, layer)
+        placed = result.holdings.layer(layer)
         assert (replica_counts(placed, 8) >= 1).all()  # every expert somewhere
         copies = result.layer_copies(layer)
         assert all(sum(c.values()) == 4 for c in copies.values())  # 4 physical per GPU
-        assert all(sorted(copies[s]) == placed[s] for s in placed)
+        assert all(tuple(sorted(copies[s])) == placed[s] for s in placed)
     # EPLB gives expert 0 four replicas and puts two on one GPU: listed once, counted twice
     doubled = [s for s, c in result.layer_copies(3).items() if c.get(0) == 2]
-    assert len(doubled) == 1 and result.placement[doubled[0]][3].count(0) == 1
-    tokens = layer_load(layer_of(result.placement, 3), loads[0], result.layer_copies(3)).tokens
+    assert len(doubled) == 1 and result.holdings[doubled[0]][3].count(0) == 1
+    tokens = layer_load(result.holdings.layer(3), loads[0], result.layer_copies(3)).tokens
     assert tokens[["x", "y", "z"].index(doubled[0])] >= 90 / 2
 
 
@@ -337,13 +338,13 @@ def test_placer_and_eplb_on_zipf_load(capsys):
     eplb = eplb_placement(loads, [0, 1, 2, 3], servers, slots)
     lines = []
     for row in range(4):
-        mine = layer_load(layer_of(ours, row), loads[row])
-        theirs = layer_load(layer_of(eplb.placement, row), loads[row], eplb.layer_copies(row))
-        assert (replica_counts(layer_of(eplb.placement, row), 32) >= 1).all()
+        mine = layer_load(ours.layer(row), loads[row])
+        theirs = layer_load(eplb.holdings.layer(row), loads[row], eplb.layer_copies(row))
+        assert (replica_counts(eplb.holdings.layer(row), 32) >= 1).all()
         assert mine.max_over_mean <= 1.1
         lines.append(f"layer {row}: max/mean ours {mine.max_over_mean:.3f} eplb "
                      f"{theirs.max_over_mean:.3f}; time ours {mine.time(a, b):.0f} eplb "
                      f"{theirs.time(a, b):.0f}; replicas ours "
-                     f"{replica_counts(layer_of(ours, row), 32).sum()} eplb {8 * slots}")
+                     f"{replica_counts(ours.layer(row), 32).sum()} eplb {8 * slots}")
     with capsys.disabled():
         print("\n" + "\n".join(lines))

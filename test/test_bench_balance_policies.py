@@ -28,7 +28,7 @@ def _steps(seed: int, steps: int) -> np.ndarray:
 def _copies(placed, expert: int) -> int:
     """Physical copies of ``expert`` in layer 0 over all servers."""
     return sum((placed.copies or {}).get(s, {}).get(0, {}).get(expert, 1)
-               for s in SERVERS if expert in placed.placement[s][0])
+               for s in SERVERS if expert in placed.holdings[s][0])
 
 
 def test_eplb_every_rebalances_on_the_last_period_from_the_next_window():
@@ -51,8 +51,8 @@ def test_eplb_every_rebalances_on_the_last_period_from_the_next_window():
             held = set()
             for s in SERVERS:
                 per = (p.copies or {}).get(s, {}).get(layer, {})
-                assert sum(per.get(e, 1) for e in p.placement[s][layer]) == SLOTS
-                held |= set(p.placement[s][layer])
+                assert sum(per.get(e, 1) for e in p.holdings[s][layer]) == SLOTS
+                held |= set(p.holdings[s][layer])
             assert held == set(range(EXPERTS))
 
 

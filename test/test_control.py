@@ -22,7 +22,7 @@ from sglang_eaas.checkpoint import ModelIdentity, expert_digests
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.protocol.control import probe
+from sglang_eaas.protocol.control import JoinRequest, Stats, probe
 from sglang_eaas.protocol.lines import MAX_AUTH_LINE, MAX_LINE, Channel, auth_line
 from sglang_eaas.tools.make_tiny_model import PRESETS
 
@@ -41,7 +41,7 @@ def server(tiny_qwen3):
 
 def _refused(address: str) -> tuple[dict, int]:
     stats = probe(address, TOKEN)
-    return stats["control_refused"], stats["refused_connections"]
+    return stats.control_refused, stats.refused_connections
 
 
 def _exchange(address: str, data: bytes) -> tuple[list[dict], bool]:
@@ -83,9 +83,9 @@ def test_unauthenticated_connections_get_one_reply_and_are_closed(server, data, 
 
 def test_authenticated_malformed_messages_are_answered_and_counted(server, tiny_qwen3):
     identity = ModelIdentity.of(tiny_qwen3)
-    join = {"op": "join", "client": "c", "fingerprint": identity.fingerprint,
-            "dtype": "float32", "transport": "auto",
-            "expert_digests": list(identity.expert_digests)}
+    request = JoinRequest("c", identity.fingerprint, "float32", "auto",
+                          list(identity.expert_digests))
+    join = {"op": request.op, **request.to_message()}
     cases = [  # (line, counted reason, words of the error)
         (b"not json at all", "malformed", "one JSON object per line"),
         (b"[1, 2, 3]", "malformed", "must be a JSON object, not list"),
@@ -131,7 +131,7 @@ def test_a_wrong_token_through_the_client_is_one_clear_error(server, tiny_qwen3)
                          token="wrong")
     channel = Channel(server.address, TOKEN)
     try:  # and the server serves everyone else as before
-        assert channel.call("stats")["stats"]["experts"] == [0, 1, 2, 3]
+        assert channel.call(Stats()).holdings.experts() == (0, 1, 2, 3)
     finally:
         channel.close()
 
@@ -183,6 +183,7 @@ def test_launch_refuses_a_separately_started_server_with_other_weights(tiny_qwen
         log.close()
     assert result.returncode != 0
     assert f"expert server {other.address} holds other weights for experts" in result.stderr
+    assert "Traceback" not in result.stderr  # one sentence, not a stack
 
 
 def test_a_connection_that_never_authenticates_is_closed_after_the_timeout(server):

@@ -12,7 +12,9 @@ import pytest
 
 from sglang_eaas.esft import registrar as R
 from sglang_eaas.esft.adapter import AdapterError, load_adapter
+from sglang_eaas.holdings import AdapterExpert, Holdings, ServerHoldings
 from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.protocol.control import AddExperts, DropExperts, HoldingsChange
 from sglang_eaas.protocol.lines import Refused
 from sglang_eaas.routing_table import RoutingTable
 
@@ -24,48 +26,51 @@ SLOTS = 8
 
 class FakeTier:
     """Expert servers as the table sees them: what each holds, and which held ids are which
-    adapter's experts. ``control.call`` is routed here."""
+    adapter's experts. The registrar's ``call`` is routed here."""
 
     def __init__(self, servers: list[str]):
         layers = list(INFO.moe_layers)
         self.holdings = {s: {layer: [e for e in range(E) if e % len(servers) == i]
                              for layer in layers} for i, s in enumerate(servers)}
-        self.described: dict[str, dict[int, dict[int, tuple]]] = {s: {} for s in servers}
-        self.calls: list[tuple[str, str, dict]] = []
+        self.described: dict[str, dict[int, dict[int, AdapterExpert]]] = {
+            s: {} for s in servers}
+        self.calls: list[tuple[str, str, AddExperts | DropExperts]] = []
         self.before_add = None  # called once before the next add: another SGLang's placement
 
     @property
     def table(self) -> RoutingTable:
-        return RoutingTable.build(1, self.holdings, list(INFO.moe_layers), E + SLOTS,
-                                  base_experts=E, adapter_experts=self.described)
+        return RoutingTable.build(1, Holdings({s: ServerHoldings(held, self.described[s])
+                                               for s, held in self.holdings.items()}),
+                                  list(INFO.moe_layers), E + SLOTS, base_experts=E)
 
     def place(self, server: str, layer: int, ids: list[int], what: list[tuple]) -> None:
         self.holdings[server][layer] = sorted(set(self.holdings[server][layer]) | set(ids))
-        self.described[server].setdefault(layer, {}).update(zip(ids, what))
+        self.described[server].setdefault(layer, {}).update(
+            zip(ids, (AdapterExpert(*w) for w in what)))
 
-    def call(self, server, token, op, timeout, **fields):
-        self.calls.append((server, op, fields))
-        layer, ids = fields["layer"], fields["experts"]
-        if op == "drop_experts":
+    def call(self, server, request, token, timeout):
+        self.calls.append((server, request.op, request))
+        layer, ids = request.layer, request.experts
+        if isinstance(request, DropExperts):
             self.holdings[server][layer] = [e for e in self.holdings[server][layer]
                                             if e not in ids]
             for p in ids:
                 self.described[server].get(layer, {}).pop(p, None)
-            return {"ok": True}
-        assert op == "add_experts"
+            return HoldingsChange(self.holdings[server][layer])
+        assert isinstance(request, AddExperts)
         if self.before_add is not None:
             hook, self.before_add = self.before_add, None
             hook()
         mine = self.described[server].get(layer, {})
-        taken = [p for p in ids if p in mine and mine[p][0] != fields["adapter"]]
+        taken = [p for p in ids if p in mine and mine[p].adapter != request.adapter]
         if taken:
             raise Refused(f"expert server {server} holds other experts under physical ids "
                           f"{taken} of MoE layer {layer}", "adapter_slot_taken")
-        adapter = load_adapter(fields["adapter_path"], INFO)
-        digests = adapter.digests(INFO, {layer: fields["replaces"]})[layer]
-        self.place(server, layer, ids, [(fields["adapter"], b, digests[b])
-                                        for b in fields["replaces"]])
-        return {"ok": True}
+        adapter = load_adapter(request.adapter_path, INFO)
+        digests = adapter.digests(INFO, {layer: request.replaces})[layer]
+        self.place(server, layer, ids, [(request.adapter, b, digests[b])
+                                        for b in request.replaces])
+        return HoldingsChange(self.holdings[server][layer], from_disk=list(ids))
 
 
 class FakeClient:
@@ -80,7 +85,7 @@ class FakeClient:
 @pytest.fixture
 def tier(monkeypatch):
     tier = FakeTier(["s0", "s1", "s2"])
-    monkeypatch.setattr(R.control, "call", tier.call)
+    monkeypatch.setattr(R, "call", tier.call)
     monkeypatch.setattr(R, "RETRY_PAUSE", (0.0, 0.01))
     monkeypatch.setattr(R, "POLL", 0.001)
     return tier
@@ -140,12 +145,12 @@ def test_collisions_every_time_end_in_one_clear_error(tier, monkeypatch):
     registrar = R.Registrar(FakeClient(tier), "token", SLOTS, timeout=5.0, say=lambda _: None)
     real_call = tier.call
 
-    def always_taken(server, token, op, timeout, **fields):
-        if op == "add_experts":
+    def always_taken(server, request, token, timeout):
+        if isinstance(request, AddExperts):
             raise Refused(f"expert server {server} holds other experts", "adapter_slot_taken")
-        return real_call(server, token, op, timeout, **fields)
+        return real_call(server, request, token, timeout)
 
-    monkeypatch.setattr(R.control, "call", always_taken)
+    monkeypatch.setattr(R, "call", always_taken)
     with pytest.raises(AdapterError, match=r"could not be placed on the expert servers: .*"
                                            r"3 times"):
         registrar.register("pytests", adapter)

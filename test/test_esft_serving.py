@@ -30,9 +30,9 @@ import requests
 from conftest import CACHE, start_server
 from sglang_eaas.esft.adapter import load_adapter
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.monitor import connect
+from sglang_eaas.membership import connect
 from sglang_eaas.protocol.control import probe
-from sglang_eaas.tools.server_process import free_port
+from sglang_eaas.addresses import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang through the CPU runtime
 
@@ -139,9 +139,9 @@ def test_adapter_experts_cost_only_what_they_replace(eaas, adapters):
     stats = _servers(eaas.monitor)
     base = len(stats) * len(INFO.moe_layers) * INFO.num_experts * _expert_bytes()
     replaced = sum(load_adapter(p, INFO).count for n, p in adapters.items() if n != "twin-b")
-    assert sum(s["weight_bytes"] for s in stats.values()) - base == (
+    assert sum(s.weight_bytes for s in stats.values()) - base == (
         replaced * REPLICAS * _expert_bytes())
-    held = [(layer, p) for s in stats.values() for layer, by in s["adapter_experts"].items()
+    held = [(layer, p) for s in stats.values() for layer, by in s.holdings.adapters.items()
             for p in by]
     assert len(held) == replaced * REPLICAS
 
@@ -227,7 +227,7 @@ def test_bad_adapters_are_refused_at_registration(eaas, tmp_path):
 
 
 def test_load_unload_churn_leaks_no_expert_memory(eaas, expected, adapters):
-    before = sum(s["weight_bytes"] for s in _servers(eaas.monitor).values())
+    before = sum(s.weight_bytes for s in _servers(eaas.monitor).values())
     steady, stop = [], threading.Event()
 
     def traffic():  # another adapter's requests run throughout
@@ -250,7 +250,7 @@ def test_load_unload_churn_leaks_no_expert_memory(eaas, expected, adapters):
         worker.join()
     assert steady and all(t == expected[TRAINED[0].name][1] for t in steady)
     deadline = time.monotonic() + 30  # unloaded experts are freed after the drop's grace
-    while sum(s["weight_bytes"] for s in _servers(eaas.monitor).values()) != before:
+    while sum(s.weight_bytes for s in _servers(eaas.monitor).values()) != before:
         assert time.monotonic() < deadline, "an unloaded adapter's experts were not freed"
         time.sleep(0.5)
 
@@ -294,8 +294,9 @@ def test_a_server_holding_adapter_experts_killed(eaas, expected, adapters):
     """Runs last: one of the three expert servers is killed while adapter requests run; every
     adapter expert has another copy, so no request fails and no token changes."""
     stats = _servers(eaas.monitor)
-    victim = max(stats, key=lambda s: sum(len(by) for by in stats[s]["adapter_experts"].values()))
-    assert stats[victim]["adapter_experts"]
+    victim = max(stats, key=lambda s: sum(len(by)
+                                          for by in stats[s].holdings.adapters.values()))
+    assert stats[victim].holdings.adapters
     names = [n for n in adapters if n not in ("twin-b",)]
     results = {}
 
@@ -306,7 +307,7 @@ def test_a_server_holding_adapter_experts_killed(eaas, expected, adapters):
     for t in threads:
         t.start()
     time.sleep(0.3)
-    os.kill(stats[victim]["pid"], signal.SIGKILL)
+    os.kill(stats[victim].pid, signal.SIGKILL)
     for t in threads:
         t.join()
     for name in names:

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sglang_eaas.balance.evaluate import layer_load, layer_of
+from sglang_eaas.balance.evaluate import layer_load
 from sglang_eaas.balance.load import LoadWindow, append_dump
+from sglang_eaas.placement import load_placement_file
 from sglang_eaas.routing_table import RoutingTable
 from sglang_eaas.tools.expert_load import main
 
@@ -57,14 +58,14 @@ def test_balance_writes_both_heatmaps_and_one_line_per_layer(dump, tmp_path, cap
     for name in ("load.png", "placement.png"):
         width, height = png_size(out / name)
         assert width >= 400 and height >= 150
-    after = {s: {int(layer): e for layer, e in held.items()}
-             for s, held in json.loads(saved.read_text()).items()}
+    # the one placement format: what --eaas-placement reads
+    after = load_placement_file(saved, server_names=False).holdings(LAYERS, EXPERTS)
     RoutingTable.build(0, after, LAYERS, EXPERTS)  # every expert of every layer held
     loads = (counts(0) + counts(1)).astype(float)
     lines = printed[2:]
     assert len(lines) == 3
     for row, (layer, line) in enumerate(zip(LAYERS, lines)):
-        ratio = layer_load(layer_of(after, layer), loads[row]).max_over_mean
+        ratio = layer_load(after.layer(layer), loads[row]).max_over_mean
         assert line.startswith(f"layer {layer}: expert max/mean ")
         assert f"servers max/mean after {ratio:.3f}" in line and "before" in line
         assert ratio <= 1.1
@@ -89,9 +90,9 @@ def test_load_only_and_given_placements(dump, tmp_path, capsys):
 @pytest.mark.parametrize("make,flags,message", [
     (None, [], "load dump {dir}/missing.jsonl: no such file"),
     ("garbage.jsonl", [], "{dir}/garbage.jsonl:3: not a load window"),
-    ("far.json", ["--placement"], "server 'x', layer 1: expected a list of expert ids in 0..15"),
-    ("short.json", ["--placement"], "MoE layer 1 has experts on no server: [15]"),
-    ("layer.json", ["--placement"], "names layer '2', which is not a MoE layer of the dump"),
+    ("far.json", ["--placement"], "server 'x' lists experts [16], but the model has 16"),
+    ("short.json", ["--placement"], "MoE layer 1: experts [15] are on no expert server"),
+    ("layer.json", ["--placement"], "server 'x' names layers [2], which are not MoE layers"),
     ("broken.json", ["--after"], "not valid JSON"),
     (None, ["--balance", "--slots", "0"], "--slots must be >= 1"),
     (None, ["--balance", "--servers", "0"], "--servers must be >= 1"),

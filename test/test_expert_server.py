@@ -23,6 +23,7 @@ from sglang_eaas.launcher.prepare import probe
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RequestHeader, SlotState
+from sglang_eaas.protocol.control import JoinRequest
 from sglang_eaas.protocol.lines import Channel
 from sglang_eaas.protocol.header import RejectReason
 from sglang_eaas.tools.make_tiny_model import PRESETS
@@ -148,7 +149,7 @@ def test_rejections_are_counted_and_others_keep_being_served(servers, info):
         after = probe(servers[0].address)
         for reason in cases:
             key = f"rejected_{reason.name.lower()}"
-            assert after.get(key, 0) == before.get(key, 0) + 1
+            assert after.counter(key) == before.counter(key) + 1
     finally:
         good.close()
         bad.close()
@@ -165,16 +166,16 @@ def test_dead_client_slot_is_reclaimed(servers, info, tiny_qwen3):
         "'doomed')\n"
         "print('joined', flush=True); time.sleep(600)\n"
     )
-    before = probe(servers[0].address)["clients"]
+    before = probe(servers[0].address).clients
     doomed = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert doomed.stdout.readline().strip() == "joined"
-    assert probe(servers[0].address)["clients"] == before + 1
+    assert probe(servers[0].address).clients == before + 1
     doomed.kill()
     doomed.wait()
     deadline = time.monotonic() + 10
-    while probe(servers[0].address)["clients"] != before and time.monotonic() < deadline:
+    while probe(servers[0].address).clients != before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert probe(servers[0].address)["clients"] == before
+    assert probe(servers[0].address).clients == before
     # All 3 slots can be taken again, and a 4th client is refused with a clear reason.
     clients = [_client(servers, info, f"c{i}") for i in range(3)]
     try:
@@ -190,9 +191,9 @@ def test_closing_waits_for_the_server_but_not_for_a_hung_one(servers, info):
     answer (stopped) delays it by LEAVE_TIMEOUT at most, not by the connection timeout."""
     from sglang_eaas.client.connection import LEAVE_TIMEOUT
 
-    before = probe(servers[0].address)["clients"]
+    before = probe(servers[0].address).clients
     _client(servers, info, "orderly").close()
-    assert probe(servers[0].address)["clients"] == before  # no polling needed
+    assert probe(servers[0].address).clients == before  # no polling needed
     client = _client(servers, info, "patient")
     os.kill(servers[0].process.pid, signal.SIGSTOP)
     try:
@@ -202,9 +203,9 @@ def test_closing_waits_for_the_server_but_not_for_a_hung_one(servers, info):
     finally:
         os.kill(servers[0].process.pid, signal.SIGCONT)
     deadline = time.monotonic() + 10  # the server notices the closed socket once it runs again
-    while probe(servers[0].address)["clients"] != before and time.monotonic() < deadline:
+    while probe(servers[0].address).clients != before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert probe(servers[0].address)["clients"] == before
+    assert probe(servers[0].address).clients == before
 
 
 def test_join_refused_for_another_model(servers, tiny_mixtral):
@@ -230,8 +231,8 @@ def test_resident_memory_scales_with_experts_held():
     few, many = start_local_servers(path, [[0, 1], list(range(16))], "float32", 1,
                                     stdout=subprocess.DEVNULL)
     try:
-        assert probe(few.address)["weight_bytes"] == 2 * per_expert
-        assert probe(many.address)["weight_bytes"] == 16 * per_expert
+        assert probe(few.address).weight_bytes == 2 * per_expert
+        assert probe(many.address).weight_bytes == 16 * per_expert
         rss_gap = (psutil.Process(many.process.pid).memory_info().rss
                    - psutil.Process(few.process.pid).memory_info().rss)
         assert 0.8 * 14 * per_expert < rss_gap < 1.3 * 14 * per_expert
@@ -252,7 +253,7 @@ def test_cli_refuses_bad_arguments(tiny_qwen3):
 
 
 def test_unauthenticated_clients_are_refused(servers, info, monkeypatch):
-    before = probe(servers[0].address).get("refused_connections", 0)
+    before = probe(servers[0].address).refused_connections
     with pytest.raises(TransportError, match="authentication failed"):
         ServerConnection(servers[0].address, "intruder", _identity(), "float32",
                          token="wrong")
@@ -260,7 +261,7 @@ def test_unauthenticated_clients_are_refused(servers, info, monkeypatch):
         env.delenv("SGLANG_EAAS_TOKEN")
         with pytest.raises(TransportError, match="refused a stats request: authentication"):
             probe(servers[0].address)
-    assert probe(servers[0].address)["refused_connections"] == before + 2
+    assert probe(servers[0].address).refused_connections == before + 2
 
 
 def test_a_join_never_confirmed_leaves_nothing_behind(servers, info):
@@ -268,10 +269,9 @@ def test_a_join_never_confirmed_leaves_nothing_behind(servers, info):
     channel = Channel(servers[0].address, os.environ["SGLANG_EAAS_TOKEN"])
     try:
         identity = _identity()
-        reply = channel.call("join", client="half", dtype="float32", transport="auto",
-                             fingerprint=identity.fingerprint,
-                             expert_digests=list(identity.expert_digests))
-        assert reply["ok"] and probe(servers[0].address)["clients"] == 0  # reserved, not served
+        channel.call(JoinRequest("half", identity.fingerprint, "float32", "auto",
+                                 list(identity.expert_digests)))
+        assert probe(servers[0].address).clients == 0  # reserved, not served
     finally:
         channel.close()
     deadline = time.monotonic() + 10
@@ -305,7 +305,7 @@ def test_minimum_batch_gathers_requests_of_several_clients(tiny_qwen3, info):
         assert a.slot.wait(10) and b.slot.wait(10)
         assert torch.equal(a.slot.result(), b.slot.result())
         stats = probe(server.address)
-        assert (stats["batches"], stats["requests"], stats["tokens"]) == (1, 2, 4)
+        assert [stats.counter(c) for c in ("batches", "requests", "tokens")] == [1, 2, 4]
     finally:
         a.close()
         b.close()

@@ -89,7 +89,7 @@ def client_of(monitor, info, tiny_qwen3):
 
 
 def _requests(server) -> int:
-    return probe(server.address, TOKEN)["requests"]
+    return probe(server.address, TOKEN).counter("requests")
 
 
 @pytest.mark.parametrize("signal_", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
@@ -135,7 +135,7 @@ def test_two_micro_batches_in_flight(start, client_of, info, hf_experts):
     whichever is combined first, and a server killed while both wait fails over both."""
     servers = start(REPLICATED)
     client = client_of(servers, "two-micro-batches", micro_batches=2)
-    assert all(probe(s.address, TOKEN)["clients"] == 1 and probe(s.address, TOKEN)["slots"] == 2
+    assert all(probe(s.address, TOKEN).clients == 1 and probe(s.address, TOKEN).slots == 2
                for s in servers)
     a, b = routed_batch(info, 24, seed=11), routed_batch(info, 5, seed=12)
     for layer, victim in ((0, None), (1, servers[1])):
@@ -192,7 +192,7 @@ def test_a_slow_server_costs_time_only(start, client_of, monitor, info, hf_exper
     slow = servers[0]
     x, ids, w = routed_batch(info, 16, seed=2)
     one_step(client, 0, x, ids, w)
-    evictions = monitor.stats().get("evictions", 0)
+    evictions = monitor.stats().counters.get("evictions", 0)
     os.kill(slow.process.pid, signal.SIGSTOP)
     threading.Timer(0.25, os.kill, (slow.process.pid, signal.SIGCONT)).start()
     out, failed = one_step(client, 0, x, ids, w)
@@ -200,7 +200,7 @@ def test_a_slow_server_costs_time_only(start, client_of, monitor, info, hf_exper
     assert not failed
     wait_until(lambda: slow.address in client.table.servers, 15, "the slow server back",
            step=lambda: one_step(client, 1, x, ids, w))
-    assert monitor.stats().get("evictions", 0) == evictions + 1
+    assert monitor.stats().counters.get("evictions", 0) == evictions + 1
     drops = client.tier.stats["drops"]
     for seed in range(5):
         x, ids, w = routed_batch(info, 16, seed=20 + seed)
@@ -290,7 +290,7 @@ def test_a_client_the_monitor_lost_joins_again(start, client_of, monitor, info, 
         assert not failed
         assert_matches_hf(out, hf_experts, layer, x, ids, w)
     assert sorted(client.table.servers) == sorted(s.address for s in servers)
-    wait_until(lambda: all(probe(s.address, TOKEN)["clients"] == 1 for s in servers), 10,
+    wait_until(lambda: all(probe(s.address, TOKEN).clients == 1 for s in servers), 10,
            "one slot per server again")
     assert client.tier.stats["drops"] == 0  # no server was taken for dead
 
@@ -310,7 +310,7 @@ def test_a_client_registered_again_by_its_presence_joins_again(start, client_of,
     client.tier.presence.register_again()  # what the presence does after a lost heartbeat
     assert client.tier.presence.incarnation != first
     wait_until(lambda: client.tier.stats["recoveries"] >= 1, 10, "the client joined again")
-    wait_until(lambda: all(probe(s.address, TOKEN)["clients"] == 1 for s in servers), 10,
+    wait_until(lambda: all(probe(s.address, TOKEN).clients == 1 for s in servers), 10,
            "one slot per server again")
     assert sorted(client.tier.live_connections()) == sorted(s.address for s in servers)
     assert all(c.client_incarnation == client.tier.presence.incarnation
@@ -348,10 +348,10 @@ def test_a_lost_client_has_its_slots_taken_back(start, client_of, monitor, info,
                                 str(HEARTBEAT)], stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout.readline().strip() == "joined"
-        assert all(probe(s.address, TOKEN)["clients"] == 2 for s in servers)
+        assert all(probe(s.address, TOKEN).clients == 2 for s in servers)
         process.send_signal(signal_)
         began = time.monotonic()
-        wait_until(lambda: all(probe(s.address, TOKEN)["clients"] == 1 for s in servers), 10,
+        wait_until(lambda: all(probe(s.address, TOKEN).clients == 1 for s in servers), 10,
                "the lost client's slots taken back")
         assert time.monotonic() - began <= LOSS + HEARTBEAT + 1.0
         x, ids, w = routed_batch(info, 8, seed=4)

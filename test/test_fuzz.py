@@ -7,20 +7,21 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from conftest import CACHE, open_log
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.launcher.local_servers import start_local_servers
-from sglang_eaas.protocol.control import probe
+from sglang_eaas.protocol.control import JoinRequest, probe
 from sglang_eaas.protocol.lines import AUTH_PREFIX
 from sglang_eaas.protocol.header import MAGIC, RejectReason
 from sglang_eaas.tools.fuzz.checks import final_checks
 from sglang_eaas.tools.fuzz.control_cases import ControlCase, Line
 from sglang_eaas.tools.fuzz.control_fuzzer import ControlTally, run_case
 from sglang_eaas.tools.fuzz.good_client import GoodClientReport
-from sglang_eaas.tools.fuzz.run import FuzzConfig, run_fuzz
+from sglang_eaas.tools.fuzz.run import NO_ANSWER, FuzzConfig, run_fuzz
 from sglang_eaas.tools.fuzz.slot_cases import (
     OK, Answer, SlotCase, SlotModel, SlotShape, expected_answer, pack_request, with_crc,
 )
@@ -100,13 +101,13 @@ def test_checks_fail_on_a_miscount():
     slot, control = SlotTally(), ControlTally()
     slot.expected.update({"BAD_MAGIC": 1})
     good = GoodClientReport(requests=2, correct=2, sent_per_server=[1, 1], done_at=[1.0, 3.0])
-    stats = [{"clients": 0, "requests": 1, "refused_connections": 0},
-             {"clients": 0, "requests": 1}]
+    stats = [replace(NO_ANSWER, clients=0, refused_connections=0, control_refused={},
+                     counters={"requests": 1}) for _ in range(2)]
     checks = {c.what: c.passed for c in final_checks(
         slot, control, good, stats, 1, [True, True], 0.0,
         {"slot fuzz": 2.0, "control fuzz": 2.0})}
     assert not checks["the fuzzed server counted every slot rejection, by reason, exactly"]
-    stats[0]["rejected_bad_magic"] = 1
+    stats[0] = replace(stats[0], counters={"requests": 1, "rejected_bad_magic": 1})
     checks = [c for c in final_checks(slot, control, good, stats, 1, [True, True], 0.0,
                                       {"slot fuzz": 2.0, "control fuzz": 2.0})]
     assert all(c.passed for c in checks), [c for c in checks if not c.passed]
@@ -146,10 +147,11 @@ def test_a_slot_written_before_ready_is_handed_over_clean(server, tiny_qwen3, fl
 def test_refusals_do_not_echo_unbounded_input(server, tiny_qwen3):
     """Found by fuzzing: a refusal repeated the refused value whole (a 1 MiB op made a reply
     over MAX_LINE, which no client reads in one line). Now it is one short sentence."""
-    before = probe(server.address, TOKEN).get("control_refused", {})
+    before = probe(server.address, TOKEN).control_refused
     identity = ModelIdentity.of(tiny_qwen3)
-    join = {"op": "join", "client": "c", "fingerprint": identity.fingerprint, "dtype": "float32",
-            "transport": "auto", "expert_digests": list(identity.expert_digests)}
+    request = JoinRequest("c", identity.fingerprint, "float32", "auto",
+                          list(identity.expert_digests))
+    join = {"op": request.op, **request.to_message()}
     huge = "x" * 500_000
     case = ControlCase("long values", (
         Line(AUTH_PREFIX + TOKEN.encode() + b"\n", None),
@@ -158,7 +160,7 @@ def test_refusals_do_not_echo_unbounded_input(server, tiny_qwen3):
         Line(json.dumps({**join, "dtype": huge}).encode() + b"\n", "bad_field"),
     ))
     assert run_case(_peer(server.address), case) == []  # each refusal <= MAX_REFUSAL bytes
-    after = probe(server.address, TOKEN)["control_refused"]
+    after = probe(server.address, TOKEN).control_refused
     for reason in ("unknown_op", "join_other_transport", "bad_field"):
         assert after[reason] == before.get(reason, 0) + 1
 

@@ -47,10 +47,10 @@ def test_bad_placement_files_name_the_file_and_the_entry(tmp_path, name, content
 
 def test_good_placement_files_still_load(tmp_path):
     (tmp_path / "p.yaml").write_text("servers:\n  'node-a:7000': [3, 0]\n  node-b:7001: [1, 2]\n")
-    assert load_placement_file(tmp_path / "p.yaml") == {"node-a:7000": [0, 3],
-                                                         "node-b:7001": [1, 2]}
+    assert load_placement_file(tmp_path / "p.yaml").entries == {"node-a:7000": [0, 3],
+                                                                 "node-b:7001": [1, 2]}
     (tmp_path / "p.json").write_text(json.dumps({"servers": {"local:0": [1], "local:1": [0]}}))
-    assert load_placement_file(tmp_path / "p.json") == {"local:0": [1], "local:1": [0]}
+    assert load_placement_file(tmp_path / "p.json").entries == {"local:0": [1], "local:1": [0]}
 
 
 @pytest.mark.parametrize("text, message", [
@@ -116,16 +116,20 @@ def test_expert_server_takes_sglang_dtype_spellings(tiny_qwen3):
 
 
 def test_placement_files_may_place_experts_per_layer(tmp_path):
-    from sglang_eaas.placement import layer_holdings
-
     (tmp_path / "p.yaml").write_text(
         "servers:\n  local:0: {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}\n"
-        "  local:1: {'0': [7, 6, 5, 4], 1: [0, 1, 2, 3]}\n  local:2: [0]\n")
+        "  local:1: {'0': [7, 6, 5, 4], 1: [0, 1, 2, 3]}\n  local:2: [0]\n  local:3: {1: [3]}\n")
     placed = load_placement_file(tmp_path / "p.yaml")
-    assert placed == {"local:0": {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]},
-                      "local:1": {0: [4, 5, 6, 7], 1: [0, 1, 2, 3]}, "local:2": [0]}
-    assert layer_holdings(placed["local:2"], (0, 1)) == {0: [0], 1: [0]}
-    assert layer_holdings({1: [3]}, (0, 1)) == {0: [], 1: [3]}  # a layer not named: none
+    assert placed.entries == {"local:0": {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]},
+                              "local:1": {0: [4, 5, 6, 7], 1: [0, 1, 2, 3]}, "local:2": [0],
+                              "local:3": {1: [3]}}
+    held = placed.holdings((0, 1), 8)
+    assert held["local:2"] == {0: [0], 1: [0]}  # a list: in every layer
+    assert held["local:3"] == {0: [], 1: [3]}  # a layer not named: none
+    for layers, experts, message in [((0,), 8, "names layers [1], which are not MoE layers"),
+                                     ((0, 1), 6, "lists experts [6, 7], but the model has 6")]:
+        with pytest.raises(PlacementError, match=re.escape(message)):
+            placed.holdings(layers, experts)
     for text, message in [("servers:\n  local:0: {x: [0]}\n", "'x' is not a layer number"),
                           ("servers:\n  local:0: {0: [1, 1]}\n",
                            "server 'local:0', layer 0 lists experts [1] more than once"),

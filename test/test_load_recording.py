@@ -24,7 +24,7 @@ from sglang_eaas.client.load_recorder import LoadRecorder
 from sglang_eaas.client.load_sinks import DumpFile, Publisher, rank_path
 from sglang_eaas.expert_server.compute import weighted_expert_sum
 from sglang_eaas.expert_server.experts import LayerExperts
-from sglang_eaas.monitor import connect
+from sglang_eaas.membership import connect
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 from sglang_eaas.protocol.control import probe
 from sglang_eaas.protocol.lines import MAX_LINE
@@ -182,7 +182,7 @@ def test_a_deepseek_sized_window_fits_the_monitor_and_a_crowd_does_not_break_it(
         snapshot = backend.watch(-1, 0.0)
         assert len(snapshot.clients()) > MAX_LINE // size
         assert latest_windows(snapshot.clients()) == {}
-        assert backend.stats()["client_loads_omitted"] >= 1
+        assert backend.stats().counters["client_loads_omitted"] >= 1
     finally:
         for session in sessions:
             session.close()
@@ -229,7 +229,7 @@ def test_server_load_survives_a_layer_changing_its_experts():
     second = LayerExperts(torch.zeros(3, 4, 4), torch.zeros(3, 4, 2),
                           torch.tensor([2, -1, -1, 1, -1, 0, -1, -1]))  # + expert 0
     load.of(0, second).add_(torch.tensor([[1, 1, 1], [10, 10, 10]]))
-    assert load.message() == {"0": {"0": [1, 10], "3": [5, 50], "5": [4, 40]}}
+    assert load.per_expert() == {0: {0: (1, 10), 3: (5, 50), 5: (4, 40)}}
     assert load.summary() == {"0": [10, 100, 3, 50]}
 
 
@@ -279,11 +279,11 @@ def test_clients_and_servers_count_the_same_and_a_failover_counts_once(tiny_qwen
         assert window.array().sum() == sum(expected.values())  # other layers: nothing
         served = collections.Counter()
         for server in servers:
-            load = probe(server.address, TOKEN)["expert_load"]
-            for expert, (tokens, ns) in load.get(str(layer), {}).items():
+            load = probe(server.address, TOKEN).expert_load
+            for expert, (tokens, ns) in load.get(layer, {}).items():
                 assert tokens > 0 and ns > 0, (server.address, expert, tokens, ns)
-                served[int(expert)] += tokens
-            assert set(load) <= {str(layer)}
+                served[expert] += tokens
+            assert set(load) <= {layer}
         assert served == expected
 
         deadline = time.monotonic() + 10
@@ -344,7 +344,7 @@ def test_sglang_records_load_to_metrics_dump_and_servers(tiny_qwen3, tmp_path):
     expert), the expert servers served exactly those, with time > 0 exactly where tokens
     went, and the monitor has the rank's last window."""
     from sglang_eaas.model_info import MoeModelInfo
-    from sglang_eaas.tools.server_process import free_port
+    from sglang_eaas.addresses import free_port
 
     info = MoeModelInfo.from_model_path(tiny_qwen3)
     dump = tmp_path / "load.jsonl"
@@ -386,10 +386,10 @@ def test_sglang_records_load_to_metrics_dump_and_servers(tiny_qwen3, tmp_path):
         served = np.zeros_like(after)
         for member in snapshot.servers():
             assert member.load["expert_load"]  # the heartbeat's per-layer summary
-            for layer, experts in probe(member.id, TOKEN)["expert_load"].items():
+            for layer, experts in probe(member.id, TOKEN).expert_load.items():
                 for expert, (tokens, ns) in experts.items():
                     assert tokens > 0 and ns > 0, (member.id, layer, expert, tokens, ns)
-                    served[info.moe_layers.index(int(layer)), int(expert)] += tokens
+                    served[info.moe_layers.index(layer), expert] += tokens
         assert np.array_equal(served, after)  # no replicas: each entry went to one server
     finally:
         server.stop()

@@ -30,8 +30,9 @@ def test_even_placement():
 def test_placement_file_json_and_yaml(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps({"servers": {"local:0": [3, 1], "local:1": [2]}}))
     (tmp_path / "p.yaml").write_text("servers:\n  '127.0.0.1:7000': [0, 1]\n")
-    assert load_placement_file(tmp_path / "p.json") == {"local:0": [1, 3], "local:1": [2]}
-    assert load_placement_file(tmp_path / "p.yaml") == {"127.0.0.1:7000": [0, 1]}
+    assert load_placement_file(tmp_path / "p.json").entries == {"local:0": [1, 3],
+                                                                 "local:1": [2]}
+    assert load_placement_file(tmp_path / "p.yaml").entries == {"127.0.0.1:7000": [0, 1]}
     (tmp_path / "bad.json").write_text('{"servers": {"local:0": "0-3"}}')
     with pytest.raises(PlacementError, match="list of expert ids"):
         load_placement_file(tmp_path / "bad.json")

@@ -12,6 +12,7 @@ import pytest
 
 from sglang_eaas import plugin
 from sglang_eaas.config import EaasConfig, LocalServers, RemoteServers
+from sglang_eaas.placement import load_placement_file
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +54,13 @@ def test_flags_parse(sglang_with_plugins, tiny_qwen3):
     assert _parse(tiny_qwen3, "--eaas")._eaas == EaasConfig()
     assert _parse(tiny_qwen3, "--eaas", "--eaas-disable-overlap")._eaas == EaasConfig(
         overlap=False)
+    placement = tiny_qwen3.parent / "placement-parse.json"
+    placement.write_text('{"servers": {"10.0.0.1:7000": [0, 1, 2, 3], '
+                         '"node-b:7001": [4, 5, 6, 7]}}')
     args = _parse(tiny_qwen3, "--eaas", "--eaas-expert-servers", "10.0.0.1:7000, node-b:7001",
-                  "--eaas-placement", str(tiny_qwen3 / "config.json"), "--eaas-poll-spin-us", "0")
+                  "--eaas-placement", str(placement), "--eaas-poll-spin-us", "0")
     assert args._eaas == EaasConfig(RemoteServers(("10.0.0.1:7000", "node-b:7001")),
-                                    tiny_qwen3 / "config.json", poll_spin_us=0)
+                                    load_placement_file(placement), poll_spin_us=0)
     dump = tiny_qwen3.parent / "load.jsonl"  # need not exist: its folder must be writable
     assert _parse(tiny_qwen3, "--eaas", "--eaas-load-dump", str(dump), "--eaas-load-window",
                   "4")._eaas == EaasConfig(load_dump=dump, load_window=4)
@@ -226,15 +230,33 @@ def test_planned_local_servers(tmp_path):
     """How many expert servers the launcher will start, as the overlap and spin defaults need
     it before the launch: local:N, the default 2, a placement's local entries, or none."""
     from sglang_eaas.cores import planned_local_servers
-    from sglang_eaas.monitor import parse_monitor
+    from sglang_eaas.membership import parse_monitor
 
     local = tmp_path / "local.json"
     local.write_text('{"servers": {"local:0": [0, 1], "local:1": [2, 3], "local:2": [0]}}')
     remote = tmp_path / "remote.json"
     remote.write_text('{"servers": {"a:1": [0, 1], "b:1": [2, 3]}}')
+    local, remote = load_placement_file(local), load_placement_file(remote)
     assert planned_local_servers(EaasConfig()) == 2
     assert planned_local_servers(EaasConfig(LocalServers(3))) == 3
     assert planned_local_servers(EaasConfig(RemoteServers(("a:1",)))) == 0
     assert planned_local_servers(EaasConfig(monitor=parse_monitor("h:2379"))) == 0
     assert planned_local_servers(EaasConfig(placement=local)) == 3
     assert planned_local_servers(EaasConfig(placement=remote)) == 0
+
+
+def test_an_esft_random_adapter_made_with_defaults_is_served_with_defaults(
+        sglang_with_plugins, tiny_qwen3, tmp_path):
+    """The tool's default and the server's agree: on an 8-expert model ``esft random``
+    replaces at most a quarter of the experts per layer (2), which is what
+    ``--eaas-esft-max-experts`` takes by default; the launch checks the adapter with it."""
+    from sglang_eaas.esft.adapter import load_adapter
+    from sglang_eaas.model_info import MoeModelInfo
+    from sglang_eaas.tools.esft import main as esft_tool
+
+    assert esft_tool(["random", str(tiny_qwen3), str(tmp_path / "a")]) == 0
+    info = MoeModelInfo.from_model_path(tiny_qwen3)
+    adapter = load_adapter(tmp_path / "a", info)
+    cfg = _parse(tiny_qwen3, "--eaas", "--eaas-esft-adapters", f"a={tmp_path / 'a'}")._eaas
+    assert {len(ids) for ids in adapter.experts.values()} == {cfg.adapter_budget(8)} == {2}
+    assert info.num_experts == 8

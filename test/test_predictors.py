@@ -71,7 +71,7 @@ def test_copy_at_distance_zero_is_the_router(model, tokenizer):
 
 
 def test_split_is_deterministic_and_by_file():
-    from sglang_eaas.tools.train_tiny_moe import corpus_files, stdlib_root
+    from sglang_eaas.corpus import corpus_files, stdlib_root
 
     # Fixed values of crc32(path) % 10 (0-5 train, 6 valid, 7-9 test): never re-drawn.
     assert [T.split_of(f"{p}#0") for p in ("os.py", "email/parser.py", "asyncio/tasks.py")] \

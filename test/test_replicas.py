@@ -20,7 +20,7 @@ from sglang_eaas.client.client import EaasClient
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
-from sglang_eaas.protocol.control import call, probe
+from sglang_eaas.protocol.control import AddExperts, DropExperts, ExpertWeights, call, probe
 from sglang_eaas.protocol.lines import Refused
 
 import os
@@ -80,7 +80,7 @@ def client_of(info, tiny_qwen3):
 
 
 def _tokens(server) -> int:
-    return probe(server.address, TOKEN).get("tokens", 0)
+    return probe(server.address, TOKEN).counter("tokens")
 
 
 def test_a_replica_added_from_a_peer_then_the_original_dropped_in_use(
@@ -93,13 +93,12 @@ def test_a_replica_added_from_a_peer_then_the_original_dropped_in_use(
     x, ids, w = routed_batch(info, 32, seed=1, experts=hot)
     assert_matches_hf(one_step(client, layer, x, ids, w)[0], hf_experts, layer, x, ids, w)
 
-    reply = call(servers[2].address, TOKEN, "add_experts", layer=layer, experts=hot,
-                 source=servers[0].address)
-    assert reply["from_peer"] == hot and reply["from_disk"] == []
-    assert reply["layer_experts"] == [0, 1, 2, 3, 6, 7]
-    other_layer = probe(servers[2].address, TOKEN)["layer_experts"][str(info.moe_layers[1])]
-    assert other_layer == [0, 1, 6, 7]  # only that layer changed
-    wait_until(lambda: 2 in client.table.placement[servers[2].address][layer], 10,
+    reply = call(servers[2].address, AddExperts(layer, hot, servers[0].address), TOKEN)
+    assert reply.from_peer == hot and reply.from_disk == []
+    assert reply.layer_experts == [0, 1, 2, 3, 6, 7]
+    other_layer = probe(servers[2].address, TOKEN).holdings[info.moe_layers[1]]
+    assert other_layer == (0, 1, 6, 7)  # only that layer changed
+    wait_until(lambda: 2 in client.table.holdings[servers[2].address][layer], 10,
            "the client's table with the replica", step=lambda: one_step(client, layer, x, ids, w))
     before = [_tokens(s) for s in servers]
     out, failed = one_step(client, layer, x, ids, w)
@@ -128,10 +127,10 @@ def test_a_replica_added_from_a_peer_then_the_original_dropped_in_use(
     worker.start()
     try:
         wait_until(lambda: steps[0] >= 3, 30, "steps before the drop")
-        weights = probe(servers[0].address, TOKEN)["weight_bytes"]
-        reply = call(servers[0].address, TOKEN, "drop_experts", layer=layer, experts=hot, grace=0.5)
-        assert reply["layer_experts"] == [0, 1]
-        wait_until(lambda: probe(servers[0].address, TOKEN)["weight_bytes"] < weights, 30,
+        weights = probe(servers[0].address, TOKEN).weight_bytes
+        reply = call(servers[0].address, DropExperts(layer, hot, grace=0.5), TOKEN)
+        assert reply.layer_experts == [0, 1]
+        wait_until(lambda: probe(servers[0].address, TOKEN).weight_bytes < weights, 30,
                "server 0 freeing the dropped experts")
         at = steps[0]
         wait_until(lambda: steps[0] >= at + 3, 30, "steps after the drop")
@@ -140,7 +139,7 @@ def test_a_replica_added_from_a_peer_then_the_original_dropped_in_use(
         worker.join(60)
     assert not errors, errors[0]
     assert client.tier.stats["failovers"] == 0 and client.tier.stats["holdings_changes"] >= 2
-    assert 2 not in client.table.placement[servers[0].address][layer]
+    assert 2 not in client.table.holdings[servers[0].address][layer]
 
 
 def test_holdings_changes_that_are_refused_or_fall_back(servers, info):
@@ -148,26 +147,25 @@ def test_holdings_changes_that_are_refused_or_fall_back(servers, info):
     does not answer, makes the server read the weights from disk; bad fields are refused."""
     layer = info.moe_layers[1]
     with pytest.raises(Refused, match="last live holder of experts \\[4\\]") as refused:
-        call(servers[1].address, TOKEN, "drop_experts", layer=layer, experts=[4])
+        call(servers[1].address, DropExperts(layer, [4]), TOKEN)
     assert refused.value.reason == "drop_uncovered"
-    reply = call(servers[0].address, TOKEN, "add_experts", layer=layer, experts=[5],
-                 source=servers[2].address)  # server 2 does not hold 5
-    assert reply["from_disk"] == [5] and reply["from_peer"] == []
-    reply = call(servers[0].address, TOKEN, "add_experts", layer=layer, experts=[4],
-                 source="127.0.0.1:9")
-    assert reply["from_disk"] == [4]
-    assert probe(servers[0].address, TOKEN)["replica_fetch_fallbacks"] == 2
+    reply = call(servers[0].address, AddExperts(layer, [5], servers[2].address),
+                 TOKEN)  # server 2 does not hold 5
+    assert reply.from_disk == [5] and reply.from_peer == []
+    reply = call(servers[0].address, AddExperts(layer, [4], "127.0.0.1:9"), TOKEN)
+    assert reply.from_disk == [4]
+    assert probe(servers[0].address, TOKEN).counter("replica_fetch_fallbacks") == 2
     for fields, reason in (
             (dict(layer=99, experts=[1]), "not a MoE layer"),
             (dict(layer=layer, experts=[]), "distinct expert ids"),
             (dict(layer=layer, experts=[1, 1]), "distinct expert ids"),
             (dict(layer=layer, experts=[info.num_experts]), "do not exist")):
         with pytest.raises(Refused, match=reason):
-            call(servers[0].address, TOKEN, "add_experts", **fields)
+            call(servers[0].address, AddExperts(**fields), TOKEN)
     with pytest.raises(Refused, match="does not hold experts \\[3\\]"):
-        call(servers[1].address, TOKEN, "drop_experts", layer=layer, experts=[3])
+        call(servers[1].address, DropExperts(layer, [3]), TOKEN)
     with pytest.raises(Refused, match="does not hold expert 7"):
-        call(servers[0].address, TOKEN, "expert_weights", layer=layer, expert=7, tensor="w13")
+        call(servers[0].address, ExpertWeights(layer, 7, "w13"), TOKEN)
 
 
 def _adapter_expert_sum(adapter, layer: int, x, base_ids, weights):
@@ -199,12 +197,11 @@ def test_adapter_experts_added_served_copied_and_refused(servers, client_of, mon
                         adapter_slots=4)
     try:
         add = dict(layer=layer, adapter="a", adapter_path=str(adapter))
-        reply = call(servers[1].address, TOKEN, "add_experts", experts=[e, e + 1],
-                     replaces=[2, 5], **add)
-        assert reply["from_disk"] == [e, e + 1]
-        described = probe(servers[1].address, TOKEN)["adapter_experts"][str(layer)]
-        assert {p: v[:2] for p, v in described.items()} == {str(e): ["a", 2],
-                                                            str(e + 1): ["a", 5]}
+        reply = call(servers[1].address, AddExperts(experts=[e, e + 1], replaces=[2, 5], **add),
+                     TOKEN)
+        assert reply.from_disk == [e, e + 1]
+        described = probe(servers[1].address, TOKEN).holdings.adapters[layer]
+        assert {p: v[:2] for p, v in described.items()} == {e: ("a", 2), e + 1: ("a", 5)}
         wait_until(lambda: client.table.adapters() == {"a": {layer: {2: e, 5: e + 1}}}, 10,
                    "the adapter's map in the client's table")
         x, _, w = routed_batch(info, 6, seed=3)
@@ -214,19 +211,17 @@ def test_adapter_experts_added_served_copied_and_refused(servers, client_of, mon
         reference = _adapter_expert_sum(adapter, layer, x, [2, 5], w[:, :ids.shape[1]])
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
 
-        reply = call(servers[2].address, TOKEN, "add_experts", experts=[e, e + 1],
-                     replaces=[2, 5], source=servers[1].address, **add)
-        assert reply["from_peer"] == [e, e + 1]
+        reply = call(servers[2].address, AddExperts(experts=[e, e + 1], replaces=[2, 5],
+                                                    source=servers[1].address, **add), TOKEN)
+        assert reply.from_peer == [e, e + 1]
         # a copy asked for by physical id alone, as for the model's experts: the peer says
         # what it is
-        reply = call(servers[0].address, TOKEN, "add_experts", layer=layer, experts=[e + 1],
-                     source=servers[2].address)
-        assert reply["from_peer"] == [e + 1]
-        described = probe(servers[0].address, TOKEN)["adapter_experts"][str(layer)]
-        assert described[str(e + 1)][:2] == ["a", 5]
+        reply = call(servers[0].address, AddExperts(layer, [e + 1], servers[2].address), TOKEN)
+        assert reply.from_peer == [e + 1]
+        described = probe(servers[0].address, TOKEN).holdings.adapters[layer]
+        assert described[e + 1][:2] == ("a", 5)
         with pytest.raises(Refused, match="holds no adapter expert"):
-            call(servers[0].address, TOKEN, "add_experts", layer=layer, experts=[e + 3],
-                 source=servers[2].address)
+            call(servers[0].address, AddExperts(layer, [e + 3], servers[2].address), TOKEN)
         for fields, reason in (
                 (dict(experts=[1], replaces=[2]), "physical ids >= "),
                 (dict(experts=[e], replaces=[5]), "holds other experts under physical ids"),
@@ -234,13 +229,12 @@ def test_adapter_experts_added_served_copied_and_refused(servers, client_of, mon
                 (dict(experts=[e + 2], replaces=[2], adapter_path=str(tmp_path)),
                  "expert_config.json")):
             with pytest.raises(Refused, match=reason):
-                call(servers[1].address, TOKEN, "add_experts", **{**add, **fields})
-        call(servers[1].address, TOKEN, "drop_experts", layer=layer, experts=[e, e + 1],
-             grace=0.0)
-        assert str(layer) not in probe(servers[1].address, TOKEN)["adapter_experts"]
+                call(servers[1].address, AddExperts(**{**add, **fields}), TOKEN)
+        call(servers[1].address, DropExperts(layer, [e, e + 1], grace=0.0), TOKEN)
+        assert layer not in probe(servers[1].address, TOKEN).holdings.adapters
         wait_until(lambda: client.table.adapters() == {"a": {layer: {2: e, 5: e + 1}}}
-                   and servers[1].address not in {s for s, held in client.table.placement
-                                                   .items() if e in held[layer]}, 10,
+                   and servers[1].address not in client.table.holdings.holders(layer).get(e, ()),
+                   10,
                    "the table without server 1's copies")
     finally:
         client.close()
@@ -249,17 +243,26 @@ def test_adapter_experts_added_served_copied_and_refused(servers, client_of, mon
 def test_a_client_that_never_learns_of_a_drop(servers, client_of, info, hf_experts):
     """A client without the monitor keeps its old table; once the server has freed the
     experts it refuses them (FOREIGN_EXPERT), the client waits for a newer table, gets
-    none, and sends those entries to the other holders: the sum is still right."""
+    none, drops the server and sends those entries to the other holders: the sum is still
+    right. (The client joins a server given at launch again once it answers, every
+    ``sglang_eaas.client.tier.RETRY`` s: by the end of the step it may be back, with what it
+    holds now.)"""
     client = client_of(servers, "no-monitor", monitor="", result_timeout=1.0)
     layer = info.moe_layers[0]
     x, ids, w = routed_batch(info, 24, seed=7, experts=[0, 1])  # on servers 0 and 2
     assert_matches_hf(one_step(client, layer, x, ids, w)[0], hf_experts, layer, x, ids, w)
-    call(servers[2].address, TOKEN, "drop_experts", layer=layer, experts=[0, 1], grace=0.0)
-    wait_until(lambda: probe(servers[2].address, TOKEN)["weight_bytes"]
-           < probe(servers[0].address, TOKEN)["weight_bytes"], 10, "the rows freed")
+    call(servers[2].address, DropExperts(layer, [0, 1], grace=0.0), TOKEN)
+    wait_until(lambda: probe(servers[2].address, TOKEN).weight_bytes
+               < probe(servers[0].address, TOKEN).weight_bytes, 10, "the rows freed")
+    before = dict(client.tier.stats)
     out, failed = one_step(client, layer, x, ids, w)
     assert_matches_hf(out, hf_experts, layer, x, ids, w)
-    assert not failed and servers[2].address not in client.table.servers
+    assert not failed
+    stats = client.tier.stats
+    assert (stats["drops"], stats["failovers"]) == (before.get("drops", 0) + 1,
+                                                    before.get("failovers", 0) + 1), stats
+    back = client.table.holdings.get(servers[2].address)  # None: not joined again yet
+    assert back is None or list(back[layer]) == [6, 7], back
 
 
 def test_the_balancer_replicates_a_hot_expert(servers, client_of, monitor, info, hf_experts):
@@ -294,10 +297,9 @@ def test_the_balancer_replicates_a_hot_expert(servers, client_of, monitor, info,
     assert found, run.stdout
     before, after = map(float, found.groups())
     assert before == pytest.approx(3.0) and after <= 1.5, run.stdout  # all on 1 of 3 servers
-    holders = {e: [m.id for m in monitor.registry.snapshot().servers()
-                   if e in m.holdings().get(0, ())] for e in hot}
+    holders = {e: monitor.registry.snapshot().holdings().holders(0).get(e, []) for e in hot}
     assert all(len(h) >= 2 for h in holders.values()), holders
-    wait_until(lambda: all(e in client.table.placement[s][0] for e in hot for s in holders[e]),
+    wait_until(lambda: all(e in client.table.holdings[s][0] for e in hot for s in holders[e]),
            10, "the client's table with the replicas", step=step)
     served = [_tokens(s) for s in servers]
     step()

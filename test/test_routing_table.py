@@ -12,6 +12,7 @@ from conftest import open_log
 
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
+from sglang_eaas.holdings import AdapterExpert, Holdings, ServerHoldings
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import NO_HOLDER, PlacementError
 from sglang_eaas.routing_table import RoutingTable
@@ -20,10 +21,10 @@ LAYERS = [0, 1]
 
 
 def test_tables_name_servers_by_id_and_hold_per_layer_placements():
-    table = RoutingTable.build(3, {"a:1": {0: [0, 1], 1: [0]}, "b:1": {0: [2, 3], 1: [1, 2, 3]}},
-                               LAYERS, 4)
+    table = RoutingTable.build(3, Holdings({"a:1": {0: [0, 1], 1: [0]},
+                                            "b:1": {0: [2, 3], 1: [1, 2, 3]}}), LAYERS, 4)
     assert table.servers == ("a:1", "b:1") and table.epoch == 3
-    assert table.holdings() == {"a:1": {0: [0, 1], 1: [0]}, "b:1": {0: [2, 3], 1: [1, 2, 3]}}
+    assert table.holdings == {"a:1": {0: [0, 1], 1: [0]}, "b:1": {0: [2, 3], 1: [1, 2, 3]}}
     ids = np.array([[1, 0], [1, 3]])
     assert table.assign(0, ids).tolist() == [[0, 0], [0, 1]]  # expert 1: server a in layer 0
     assert table.assign(1, ids).tolist() == [[1, 0], [1, 1]]  # and server b in layer 1
@@ -34,15 +35,15 @@ def test_a_new_epoch_without_a_server_or_with_one_more():
                                  LAYERS, 4)
     fewer = table.without("b:1")
     assert fewer.epoch == 1 and fewer.servers == ("a:1", "c:1")
-    assert fewer.holdings()["a:1"] == {0: [0, 1, 2], 1: [0, 1, 2]}
+    assert fewer.holdings["a:1"] == {0: [0, 1, 2], 1: [0, 1, 2]}
     assert table.servers == ("a:1", "b:1", "c:1")  # the old table is unchanged
     with pytest.raises(PlacementError, match=r"MoE layer 0: experts \[2\] are on no expert"):
         fewer.without("a:1")  # expert 2's last holder
     more = fewer.with_server("d:1", {0: [2], 1: [2, 3]})
     assert more.epoch == 2 and more.servers == ("a:1", "c:1", "d:1")
-    assert more.without("a:1").holdings()["d:1"] == {0: [2], 1: [2, 3]}
+    assert more.without("a:1").holdings["d:1"] == {0: [2], 1: [2, 3]}
     with pytest.raises(PlacementError, match="say nothing about MoE layer 1"):
-        RoutingTable.build(0, {"a:1": {0: [0, 1, 2, 3]}}, LAYERS, 4)
+        RoutingTable.build(0, Holdings({"a:1": {0: [0, 1, 2, 3]}}), LAYERS, 4)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def client(servers, tiny_qwen3):
 
 
 def _requests(conn) -> int:
-    return conn.stats()["requests"]
+    return conn.stats().counter("requests")
 
 
 def test_a_staged_table_is_adopted_at_the_next_steps_first_layer(client, servers):
@@ -152,16 +153,15 @@ def test_servers_holding_other_experts_in_each_layer(tiny_qwen3, client):
                                ModelIdentity.of(tiny_qwen3, info), torch.float32, "per-layer")
         try:
             a, b = (s.address for s in swapped)
-            assert per_layer.table.holdings() == {a: {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]},
-                                                  b: {0: [4, 5, 6, 7], 1: [0, 1, 2, 3]}}
+            assert per_layer.table.holdings == {a: {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]},
+                                                b: {0: [4, 5, 6, 7], 1: [0, 1, 2, 3]}}
             x, w = torch.randn(7, 64), torch.rand(7, 2)
             ids = torch.randint(0, 8, (7, 2))
             for layer in LAYERS:
                 torch.testing.assert_close(per_layer.forward(layer, x, ids, w),
                                            client.forward(layer, x, ids, w),
                                            rtol=1e-6, atol=1e-6)
-            assert per_layer._by_id[a].stats()["layer_experts"] == {"0": [0, 1, 2, 3],
-                                                                    "1": [4, 5, 6, 7]}
+            assert per_layer._by_id[a].stats().holdings == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
         finally:
             per_layer.close()
     finally:
@@ -175,22 +175,24 @@ def test_adapter_experts_two_servers_describe_differently_are_routed_nowhere():
     describes that id as its own adapter's expert. No holder can be trusted to be the expert a
     request was rerouted to, so the id goes to no server (the rows fail instead of reaching the
     other adapter's weights); the model's experts and the agreed ids are routed as before."""
-    layer, x, y = 3, ("x", 1, "dx"), ("y", 2, "dy")
-    holdings = {"a": {layer: [0, 1, 4, 5]}, "b": {layer: [2, 3, 4, 5]}}
-    agreed = RoutingTable.build(1, holdings, [layer], 8, base_experts=4,
-                                adapter_experts={"a": {layer: {4: x, 5: y}},
-                                                 "b": {layer: {4: x, 5: y}}})
+    layer, x, y = 3, AdapterExpert("x", 1, "dx"), AdapterExpert("y", 2, "dy")
+
+    def described(a: dict, b: dict) -> Holdings:
+        return Holdings({"a": ServerHoldings({layer: [0, 1, 4, 5]}, {layer: a}),
+                         "b": ServerHoldings({layer: [2, 3, 4, 5]}, {layer: b})})
+
+    agreed = RoutingTable.build(1, described({4: x, 5: y}, {4: x, 5: y}), [layer], 8,
+                                base_experts=4)
     assert agreed.untrusted == {} and agreed.adapters() == {"x": {layer: {1: 4}},
                                                             "y": {layer: {2: 5}}}
     assert sorted(agreed.assign(layer, np.array([[4], [4]])).ravel().tolist()) == [0, 1]
 
-    differ = RoutingTable.build(1, holdings, [layer], 8, base_experts=4,
-                                adapter_experts={"a": {layer: {4: x, 5: y}},
-                                                 "b": {layer: {4: y, 5: y}}})
+    differ = RoutingTable.build(1, described({4: x, 5: y}, {4: y, 5: y}), [layer], 8,
+                                base_experts=4)
     assert differ.untrusted == {layer: (4,)}
     assert differ.adapters() == {"y": {layer: {2: 5}}}
     assert differ.missing == {}  # the model's experts are all held
-    assert differ.placement["b"][layer] == (2, 3, 4, 5)  # what the servers say they hold
+    assert differ.holdings["b"][layer] == (2, 3, 4, 5)  # what the servers say they hold
     got = differ.assign(layer, np.array([[4, 0], [5, 3]]))
     assert got[0, 0] == NO_HOLDER and got[0, 1] == 0 and got[1, 1] == 1
     assert got[1, 0] in (0, 1)

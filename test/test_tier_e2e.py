@@ -30,12 +30,12 @@ import pytest
 import requests
 from conftest import CACHE, PROMPTS, open_log, start_server
 from hf_reference import hf_greedy_routes
-from sglang_eaas.balance.apply import apply_placement, live_placement
+from sglang_eaas.balance.apply import apply_placement
 from sglang_eaas.launcher.local_servers import start_local_servers
-from sglang_eaas.monitor import connect
+from sglang_eaas.membership import connect
 from sglang_eaas.protocol.control import probe
 from sglang_eaas.tools.etcd_process import EtcdProcess
-from sglang_eaas.tools.server_process import free_port
+from sglang_eaas.addresses import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang through the CPU runtime
 TOKEN = os.environ["SGLANG_EAAS_TOKEN"]
@@ -104,15 +104,15 @@ class Deployment:
     def holding(self, entry: str) -> list[str]:
         want = {layer: sorted(ids) for layer, ids in self.placement[entry].items()}
         return sorted(a for a, m in self.servers().items()
-                      if {k: v for k, v in m.holdings().items() if v} == want)
+                      if {k: list(v) for k, v in m.holdings.items() if v} == want)
 
     def pid(self, address: str) -> int:
-        return probe(address, TOKEN)["pid"]
+        return probe(address, TOKEN).pid
 
     def wait_in_use(self, address: str, timeout: float = 30.0) -> None:
         """Until the SGLang client has joined ``address``."""
         deadline = time.monotonic() + timeout
-        while probe(address, TOKEN)["clients"] < 1:
+        while probe(address, TOKEN).clients < 1:
             assert time.monotonic() < deadline, f"SGLang did not join {address}"
             time.sleep(0.1)
 
@@ -189,9 +189,9 @@ def test_a_server_killed_mid_stream_then_replaced(deployment):
     assert re.search(rf"expert server {victim} leaves the table \(", log)
     replacement = d.add("s")  # joins at runtime: in the table at the next step, then traffic
     d.wait_in_use(replacement)
-    before = probe(replacement, TOKEN).get("requests", 0)
+    before = probe(replacement, TOKEN).counter("requests")
     assert _streams(d.sglang) == d.baseline
-    assert probe(replacement, TOKEN).get("requests", 0) > before
+    assert probe(replacement, TOKEN).counter("requests") > before
     assert re.search(rf"expert server {replacement} joined the table",
                      d.sglang.log_path.read_text())
 
@@ -279,7 +279,7 @@ def test_status_shows_the_live_tier(deployment):
 
 
 def _clients(d: Deployment) -> list[int]:
-    return [probe(a, TOKEN)["clients"] for a in d.servers()]
+    return [probe(a, TOKEN).clients for a in d.servers()]
 
 
 def test_a_client_rank_hung_or_killed(deployment, tiny_qwen3):
@@ -324,13 +324,12 @@ def test_replicas_moved_mid_stream(deployment):
     is undone, as live."""
     d = deployment
     s0, (x,) = d.holding("s")[0], d.holding("x")
-    before = live_placement(d.watcher.watch(-1, 0.0))
-    served = probe(x, TOKEN).get("tokens", 0)
+    before = d.watcher.watch(-1, 0.0).holdings()
+    served = probe(x, TOKEN).counter("tokens")
     assert _streams(d.sglang) == d.baseline
-    alone = probe(x, TOKEN).get("tokens", 0) - served  # tokens that needed E in layer 1
-    moved = {s: {layer: list(ids) for layer, ids in layers.items()} for s, layers in
-             before.items()}
-    moved[x][0], moved[s0][0] = [0, 1, 2, 3], [4, 5, 6, 7]
+    alone = probe(x, TOKEN).counter("tokens") - served  # tokens that needed E in layer 1
+    moved = before.with_server(x, {**before[x], 0: [0, 1, 2, 3]})
+    moved = moved.with_server(s0, {**before[s0], 0: [4, 5, 6, 7]})
     applied = []
     assert _streams(d.sglang, lambda: applied.append(
         apply_placement(before, moved, TOKEN, grace=0.5))) == d.baseline
@@ -342,10 +341,10 @@ def test_replicas_moved_mid_stream(deployment):
                         r"3\]", d.sglang.log_path.read_text()):
         assert time.monotonic() < deadline, "SGLang's client did not take the new holdings"
         time.sleep(0.1)
-    served = probe(x, TOKEN).get("tokens", 0)
+    served = probe(x, TOKEN).counter("tokens")
     assert _streams(d.sglang) == d.baseline
-    assert probe(x, TOKEN).get("tokens", 0) - served > alone  # the replicas are used
-    assert live_placement(d.watcher.watch(-1, 0.0)) == moved
+    assert probe(x, TOKEN).counter("tokens") - served > alone  # the replicas are used
+    assert d.watcher.watch(-1, 0.0).holdings() == moved
     apply_placement(moved, before, TOKEN, grace=0.5)
     assert _streams(d.sglang) == d.baseline
-    assert live_placement(d.watcher.watch(-1, 0.0)) == before
+    assert d.watcher.watch(-1, 0.0).holdings() == before

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import start_server
 from sglang_eaas.balance.load import read_dump, total
-from sglang_eaas.tools.server_process import free_port
+from sglang_eaas.addresses import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang through the CPU runtime
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from typing import NamedTuple
 
 # RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
@@ -66,3 +67,14 @@ def _valid_host(host: str) -> bool:
     if len(host) > 253 or host.replace(".", "").isdigit():  # 1.2.3 or 300.1.1.1: no name
         return False
     return all(_LABEL.match(label) for label in host.split("."))
+
+
+def free_port(avoid: frozenset[int] = frozenset()) -> int:
+    """A port free now on loopback, not one of ``avoid`` (ports a process about to start has
+    been told to bind, but has not bound yet: SGLang's HTTP port, while its model loads)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port

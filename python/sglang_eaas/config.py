@@ -3,22 +3,29 @@
 The record rides on SGLang's ``ServerArgs`` as the bookkeeping attribute ``_eaas`` (a plugin
 cannot add struct fields), which SGLang pickles into every scheduler/detokenizer process. Before
 the workers start, the launcher replaces it with the concrete server addresses
-(``launcher.prepare``). Unpickling it in a worker loads the plugins there and checks that
-sglang-eaas is really active, so a worker in which the plugin failed exits with a clear error
-instead of silently serving without it.
+(``launcher.prepare``). Everything that can be checked before the launch is checked here, where
+a bad value is one sentence and an exit (``from_cli_args``): the placement file is read and
+checked against the model once, ESFT adapters are checked against the model and the budget.
+What ties the record to the plugin (the ``--eaas`` flag refused, and a worker stopped, where the
+plugin is not active) is the plugin's: ``plugin.py`` sits on top of this module.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from sglang_eaas import transports
 from sglang_eaas.addresses import AddressError, parse_address
-from sglang_eaas.monitor import HEARTBEAT, LOSS_TIMEOUT, MonitorSpec, parse_monitor
+from sglang_eaas.esft.adapter import AdapterError, default_max_experts, load_adapter
+from sglang_eaas.membership import HEARTBEAT, LOSS_TIMEOUT, MonitorSpec, parse_monitor
+from sglang_eaas.model_info import ModelError, MoeModelInfo
+from sglang_eaas.placement import PlacementError, PlacementFile, load_placement_file
 from sglang_eaas.protocol.slot import POLL_SPIN_US
+from sglang_eaas.routing_table import RoutingTable
 
 RESULT_TIMEOUT = 2.0  # seconds a server may take to answer one layer before it is dropped
 WAIT_FOR_SERVERS = 300.0  # seconds to wait at launch for every expert to have a live holder
@@ -149,7 +156,7 @@ class EaasConfig:
     """What the attention client needs to know about its expert servers."""
 
     expert_servers: LocalServers | RemoteServers | None = None  # None: local:2 or the placement
-    placement: Path | None = None
+    placement: PlacementFile | None = None  # --eaas-placement, read and checked
     token: str | None = field(default=None, repr=False)  # else SGLANG_EAAS_TOKEN
     transport: str = transports.AUTO
     # Busy-poll for a result this long, then sleep; None: automatic (the launcher's
@@ -182,40 +189,34 @@ class EaasConfig:
     def adapter_budget(self, num_experts: int) -> int:
         """The most experts one adapter may replace in one MoE layer."""
         return (self.esft_max_experts if self.esft_max_experts is not None
-                else max(1, num_experts // 4))
-
-    def __reduce__(self):
-        return (_restore_in_worker, tuple(getattr(self, f.name) for f in fields(self)))
-
-
-def _restore_in_worker(*values) -> EaasConfig:
-    """Unpickle hook: a worker process only gets an EaasConfig if the plugin is active in it."""
-    from sglang_eaas import plugin
-
-    plugin.ensure_active_in_process()
-    return EaasConfig(*values)
+                else default_max_experts(num_experts))
 
 
 class _EnableEaas(argparse.Action):
-    """``--eaas``: refuses at parse time when the plugin's hooks did not all apply."""
+    """``--eaas``: refuses at parse time what ``refusal()`` says (the plugin not active)."""
+
+    def __init__(self, *args, refusal: Callable[[], str | None] = lambda: None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.refusal = refusal
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from sglang_eaas import plugin
-
-        missing = plugin.unapplied_hooks()
-        if missing:
-            parser.error(plugin.inactive_message(missing))
+        why = self.refusal()
+        if why:
+            parser.error(why)
         setattr(namespace, self.dest, True)
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Add the ``--eaas`` option group to SGLang's server parser."""
+def add_cli_args(parser: argparse.ArgumentParser,
+                 refusal: Callable[[], str | None] = lambda: None) -> None:
+    """Add the ``--eaas`` option group to SGLang's server parser; ``refusal()``: why ``--eaas``
+    cannot be served in this process, if it cannot (the plugin's check)."""
     group = parser.add_argument_group(
         "sglang-eaas", "Expert-as-a-Service: routed MoE experts on separate expert servers."
     )
     group.add_argument(
         "--eaas",
         action=_EnableEaas,
+        refusal=refusal,
         nargs=0,
         default=False,
         help="Serve the routed experts of every MoE layer on separate, stateless expert servers; "
@@ -237,7 +238,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="File mapping each expert server to the experts it holds (replicas allowed), "
-        "instead of the even placement; format in docs/plugin.md.",
+        "instead of the even placement; format in docs/plugin.md. Read and checked against the "
+        "model (every expert of every MoE layer held somewhere) before anything starts.",
     )
     group.add_argument(
         "--eaas-token",
@@ -395,7 +397,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="The most experts one adapter may replace in one MoE layer; an adapter with more "
-        "is refused at registration (default: a quarter of the model's routed experts).",
+        "is refused (at launch for --eaas-esft-adapters, at /load_lora_adapter later); default: "
+        "a quarter of the model's routed experts, what 'python -m sglang_eaas.tools.esft random' "
+        "replaces at most by default.",
     )
     group.add_argument(
         "--eaas-esft-replicas",
@@ -469,15 +473,49 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
             or (monitor.kind != "embedded" and args.eaas_expert_servers is None
                 and args.eaas_placement is None)):
         raise ValueError(LOCAL_ONLY)
-    return EaasConfig(args.eaas_expert_servers, args.eaas_placement, args.eaas_token,
-                      args.eaas_transport or transports.AUTO,
-                      spin, monitor, heartbeat, loss,
-                      args.eaas_result_timeout or RESULT_TIMEOUT,
-                      args.eaas_wait_for_servers or WAIT_FOR_SERVERS, kernel, shrink,
-                      not args.eaas_disable_overlap, args.eaas_load_dump,
-                      args.eaas_load_window or LOAD_WINDOW, esft,
-                      tuple(args.eaas_esft_adapters or ()), args.eaas_esft_slots,
-                      args.eaas_esft_max_experts, args.eaas_esft_replicas or 1)
+    cfg = EaasConfig(args.eaas_expert_servers, None, args.eaas_token,
+                     args.eaas_transport or transports.AUTO,
+                     spin, monitor, heartbeat, loss,
+                     args.eaas_result_timeout or RESULT_TIMEOUT,
+                     args.eaas_wait_for_servers or WAIT_FOR_SERVERS, kernel, shrink,
+                     not args.eaas_disable_overlap, args.eaas_load_dump,
+                     args.eaas_load_window or LOAD_WINDOW, esft,
+                     tuple(args.eaas_esft_adapters or ()), args.eaas_esft_slots,
+                     args.eaas_esft_max_experts, args.eaas_esft_replicas or 1)
+    if args.eaas_placement is None and not cfg.esft_adapters:
+        return cfg
+    try:
+        info = MoeModelInfo.from_model_path(args.model_path)
+    except ModelError as exc:
+        raise ValueError(f"--eaas: {exc}") from None
+    placement = args.eaas_placement and checked_placement(args.eaas_placement, info)
+    budget = cfg.adapter_budget(info.num_experts)
+    for name, path in cfg.esft_adapters:
+        try:
+            adapter = load_adapter(path, info, model_path=args.model_path)
+        except AdapterError as exc:
+            raise ValueError(f"--eaas-esft-adapters {name}: {exc}") from None
+        layer, count = max(((layer, len(ids)) for layer, ids in adapter.experts.items()),
+                           key=lambda item: item[1], default=(0, 0))
+        if count > budget:
+            raise ValueError(f"--eaas-esft-adapters {name}: {path} replaces {count} experts in "
+                             f"MoE layer {layer}, more than --eaas-esft-max-experts {budget} "
+                             f"allows; raise it or serve an adapter with fewer")
+    return replace(cfg, placement=placement)
+
+
+def checked_placement(path: Path, info: MoeModelInfo) -> PlacementFile:
+    """``--eaas-placement``: the file read, its layers and experts checked against the model
+    and every expert of every MoE layer held by one of its servers; ``ValueError`` (one
+    sentence naming the file) otherwise."""
+    try:
+        placement = load_placement_file(path)
+        RoutingTable.build(0, placement.holdings(info.moe_layers, info.num_experts),
+                           list(info.moe_layers), info.num_experts)
+    except PlacementError as exc:
+        where = "" if str(exc).startswith(str(path)) else f"{path}: "
+        raise ValueError(f"--eaas-placement {where}{exc}") from None
+    return placement
 
 
 def current() -> EaasConfig | None:

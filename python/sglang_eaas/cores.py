@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 
 from sglang_eaas.config import DEFAULT_LOCAL_SERVERS, EaasConfig, LocalServers, RemoteServers
-from sglang_eaas.monitor import EMBEDDED
-from sglang_eaas.placement import PlacementError, load_placement_file
+from sglang_eaas.membership import EMBEDDED
 
 
 def usable_cores() -> int:
@@ -33,11 +32,7 @@ def planned_local_servers(cfg: EaasConfig) -> int:
     if isinstance(cfg.expert_servers, RemoteServers):
         return 0
     if cfg.placement is not None:
-        try:
-            planned = load_placement_file(cfg.placement)
-        except PlacementError:
-            return 0  # the launch reports it
-        return sum(name.startswith("local:") for name in planned)
+        return len(cfg.placement.entries) if cfg.placement.local else 0
     if isinstance(cfg.expert_servers, LocalServers):
         return cfg.expert_servers.count
     return DEFAULT_LOCAL_SERVERS if cfg.monitor.kind == EMBEDDED else 0

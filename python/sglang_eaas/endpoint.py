@@ -20,19 +20,20 @@ import threading
 from typing import Any, Callable, Collection, Protocol
 
 from sglang_eaas.protocol.lines import (
-    AUTH_FAILED, AUTH_TIMEOUT, MAX_AUTH_LINE, MAX_LINE, ControlError, authenticated, parse_line,
+    AUTH_FAILED, AUTH_TIMEOUT, MAX_AUTH_LINE, MAX_LINE, ControlError, Message, authenticated,
+    parse_line,
 )
 
 logger = logging.getLogger(__name__)
 
 
 class Session(Protocol):
-    """One authenticated connection's state; ``handle`` returns the reply's fields."""
+    """One authenticated connection's state; ``handle`` returns the reply's record."""
 
     ops: Collection[str]
     closing: bool  # set by ``handle`` to close the connection after its reply
 
-    def handle(self, op: str, message: dict[str, Any]) -> dict[str, Any]: ...
+    def handle(self, op: str, message: dict[str, Any]) -> Message: ...
 
     def close(self) -> None: ...
 
@@ -92,7 +93,7 @@ class _Handler(socketserver.StreamRequestHandler):
                     break
                 try:
                     op, message = parse_line(line, session.ops)
-                    self._send({"ok": True, **session.handle(op, message)})
+                    self._send({"ok": True, **session.handle(op, message).to_message()})
                 except ControlError as exc:
                     self._refuse(exc.reason, str(exc), closing=False)
                 except Exception as exc:  # a bug here must not take the endpoint down

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Mapping
 
 import numpy as np
 
 from sglang_eaas.addresses import AddressError, parse_address
+from sglang_eaas.holdings import Holdings, ServerHoldings
 
-
-# What a placement says one server holds: the same experts in every MoE layer, or per layer.
+# What a placement file says one server holds: the same experts in every MoE layer, or per layer.
 PlacedExperts = list[int] | dict[int, list[int]]
 
 
@@ -51,15 +53,54 @@ def even_placement(num_experts: int, num_servers: int) -> list[list[int]]:
     return blocks
 
 
-def load_placement_file(path: str | Path) -> dict[str, PlacedExperts]:
-    """``{"servers": {"local:N" | "host:port": [expert ids] | {layer: [expert ids]}}}`` from a
-    JSON or YAML file: a list is held in every MoE layer, a map of layers per layer (a layer
-    it does not name holds none of that server's experts).
+@dataclass(frozen=True)
+class PlacementFile:
+    """A placement file as read (``load_placement_file``): each server's entry as written."""
+
+    path: Path
+    entries: Mapping[str, PlacedExperts]  # server -> a list (every MoE layer) or a layer map
+
+    @property
+    def local(self) -> bool:
+        """Whether it names ``local:N`` servers (the launcher starts them), not addresses."""
+        return all(name.startswith("local:") for name in self.entries)
+
+    def holdings(self, moe_layers: Iterable[int], num_experts: int | None = None) -> Holdings:
+        """Every server's experts over ``moe_layers`` (a list: the same in every layer; a layer
+        a map does not name: none there). ``PlacementError`` naming the file and the entry for
+        a layer that is not one of ``moe_layers`` or an expert past ``num_experts``."""
+        moe_layers = tuple(moe_layers)
+        out = {}
+        for name, placed in self.entries.items():
+            entry = f"{self.path}: server {name!r}"
+            if isinstance(placed, dict):
+                unknown = sorted(set(placed) - set(moe_layers))
+                if unknown:
+                    raise PlacementError(f"{entry} names layers {unknown}, which are not MoE "
+                                         f"layers of the model (those are {list(moe_layers)})")
+                held = {layer: placed.get(layer, []) for layer in moe_layers}
+            else:
+                held = {layer: placed for layer in moe_layers}
+            far = sorted({e for ids in held.values() for e in ids
+                          if num_experts is not None and e >= num_experts})
+            if far:
+                raise PlacementError(f"{entry} lists experts {far}, but the model has "
+                                     f"{num_experts} (ids 0-{num_experts - 1})")
+            out[name] = ServerHoldings(held)
+        return Holdings(out)
+
+
+def load_placement_file(path: str | Path, server_names: bool = True) -> PlacementFile:
+    """``{"servers": {SERVER: [expert ids] | {layer: [expert ids]}}}`` from a JSON or YAML file
+    (the ``"servers"`` key may be left out: a map of servers alone): a list is held in every MoE
+    layer, a map of layers per layer (a layer it does not name holds none of that server's
+    experts). ``Holdings.to_message`` writes this form.
 
     Raises ``PlacementError`` naming the file (and the entry) for anything else: unreadable or
     non-UTF-8 bytes, a syntax error, ids that are not whole numbers >= 0 (``true`` is not 1),
-    an id listed twice for one server, an empty list, a malformed server name, or local and
-    separately started servers mixed in one file.
+    an id listed twice for one server, an empty list, a layer that is not a number. With
+    ``server_names`` (the launcher's ``--eaas-placement``), servers are named ``local:N`` or
+    ``HOST:PORT``, one kind per file.
     """
     import yaml
 
@@ -81,13 +122,16 @@ def load_placement_file(path: str | Path) -> dict[str, PlacedExperts]:
             at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
             raise PlacementError(f"{path}: not valid JSON or YAML{at} "
                                  f"({getattr(exc, 'problem', None) or exc})") from None
-    servers = data.get("servers") if isinstance(data, dict) else None
+    servers = data.get("servers", data) if isinstance(data, dict) else None
     if not isinstance(servers, dict) or not servers:
         raise PlacementError(f"{path}: expected a 'servers' map of server -> expert ids")
     out: dict[str, PlacedExperts] = {}
     for name, experts in servers.items():
         entry = f"{path}: server {name!r}"
-        _check_server_name(entry, name)
+        if server_names:
+            _check_server_name(entry, name)
+        elif not isinstance(name, str):
+            raise PlacementError(f"{entry}: a server is named by a string")
         if isinstance(experts, dict):  # per MoE layer
             if not experts:
                 raise PlacementError(f"{entry} maps to an empty map of layers")
@@ -99,10 +143,10 @@ def load_placement_file(path: str | Path) -> dict[str, PlacedExperts]:
             out[name] = layers
         else:
             out[name] = _expert_ids(entry, experts, empty_ok=False)
-    if 0 < sum(name.startswith("local:") for name in out) < len(out):
+    if server_names and 0 < sum(name.startswith("local:") for name in out) < len(out):
         raise PlacementError(f"{path}: mixes local:N servers with separately started ones; "
                              "use one kind per file")
-    return out
+    return PlacementFile(Path(path), out)
 
 
 def _expert_ids(entry: str, experts: object, empty_ok: bool) -> list[int]:
@@ -116,14 +160,6 @@ def _expert_ids(entry: str, experts: object, empty_ok: bool) -> list[int]:
     if twice:
         raise PlacementError(f"{entry} lists experts {twice} more than once")
     return sorted(experts)
-
-
-def layer_holdings(placed: PlacedExperts, moe_layers: tuple[int, ...] | list[int]
-                   ) -> dict[int, list[int]]:
-    """A placement entry as experts per MoE layer (a list: the same in every layer)."""
-    if isinstance(placed, dict):
-        return {layer: sorted(placed.get(layer, [])) for layer in moe_layers}
-    return {layer: sorted(placed) for layer in moe_layers}
 
 
 def _check_server_name(entry: str, name: object) -> None:

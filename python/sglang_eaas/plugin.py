@@ -2,18 +2,23 @@
 
 Entry point ``sglang.srt.plugins: eaas = sglang_eaas.plugin:register``. SGLang calls
 ``register()`` in every process (launcher, scheduler, detokenizer) and then applies the hooks; it
-only *logs* a failing plugin or hook, so ``ensure_active_in_process()`` turns that into an error
-wherever ``--eaas`` is in force. An SGLang upgrade should only need to touch this file.
+only *logs* a failing plugin or hook, so the plugin turns that into an error wherever ``--eaas``
+is in force: ``--eaas`` is refused at parse time where a hook did not apply, and the
+``EaasConfig`` that SGLang pickles into its workers is unpickled there only through
+``_restore_config``, which checks the plugin is active in that process
+(``ensure_active_in_process``). This module sits on top of everything it hooks; nothing imports
+it. An SGLang upgrade should only need to touch this file.
 """
 
 from __future__ import annotations
 
+import copyreg
+from dataclasses import fields
 from typing import Any, Callable, NamedTuple
 
 from sglang_eaas import config, request_checks
-from sglang_eaas.client import graph_check, overlap, sglang_moe, steps
+from sglang_eaas.client import esft_hooks, graph_check, overlap, sglang_moe, steps
 from sglang_eaas.cpu_runtime import attention, moe_native_ep, server_defaults
-from sglang_eaas.esft import sglang_hooks as esft_hooks
 from sglang_eaas.launcher import prepare
 
 
@@ -26,7 +31,13 @@ class Hook(NamedTuple):
 
 def _add_cli_args(add_cli_args: Callable, parser: Any) -> None:
     add_cli_args(parser)
-    config.add_cli_args(parser)
+    config.add_cli_args(parser, refusal=_refusal)
+
+
+def _refusal() -> str | None:
+    """Why ``--eaas`` cannot be served from this process: hooks that did not apply."""
+    missing = unapplied_hooks()
+    return inactive_message(missing) if missing else None
 
 
 def _from_cli_args(server_args: Any, cls: type, args: Any) -> Any:
@@ -183,11 +194,24 @@ HOOKS: tuple[Hook, ...] = (
 
 
 def register() -> None:
-    """Entry point: register every hook with SGLang's HookRegistry."""
+    """Entry point: register every hook with SGLang's HookRegistry, and pickle every
+    ``EaasConfig`` through ``_restore_config`` (copyreg: SGLang's spawn pickler reads it)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for hook in HOOKS:
         HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
+    copyreg.pickle(config.EaasConfig, _reduce_config)
+
+
+def _reduce_config(cfg: config.EaasConfig) -> tuple:
+    return _restore_config, tuple(getattr(cfg, f.name) for f in fields(cfg))
+
+
+def _restore_config(*values: Any) -> config.EaasConfig:
+    """Unpickling in a worker: an ``EaasConfig`` only where the plugin is active, so a worker
+    in which it failed exits with a clear error instead of silently serving without it."""
+    ensure_active_in_process()
+    return config.EaasConfig(*values)
 
 
 def unapplied_hooks() -> list[str]:

@@ -14,23 +14,17 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from sglang_eaas.holdings import Holdings
 from sglang_eaas.placement import ExpertRouting, PlacementError
-
-Holdings = Mapping[str, Mapping[int, list[int]]]  # server id -> MoE layer -> experts held there
-# server id -> MoE layer -> physical id -> (adapter, base expert, digest): the held experts
-# that are ESFT adapter experts (``Member.adapter_holdings``)
-AdapterHoldings = Mapping[str, Mapping[int, Mapping[int, tuple[str, int, str]]]]
 
 
 @dataclass(frozen=True)
 class RoutingTable:
     epoch: int
-    servers: tuple[str, ...]  # stable server ids; ``ExpertRouting`` indices point into this
+    holdings: Holdings  # what ``build`` was given: the servers, in this order, and their experts
     layers: Mapping[int, ExpertRouting]  # MoE layer id -> who holds which expert there
     num_experts: int  # expert ids per layer: the model's, then ESFT adapter experts' slots
-    placement: Mapping[str, Mapping[int, tuple[int, ...]]]  # what ``build`` was given, sorted
     base_experts: int = 0  # the model's experts (0: all ``num_experts`` are)
-    adapter_experts: AdapterHoldings | None = None  # what ``build`` was given
     # MoE layer -> adapter experts' physical ids that servers describe differently: held, but
     # routed to no server (``assign`` gives ``NO_HOLDER``), for no holder can be trusted to be
     # the expert a request was rerouted to
@@ -38,25 +32,22 @@ class RoutingTable:
 
     @classmethod
     def build(cls, epoch: int, holdings: Holdings, moe_layers: list[int], num_experts: int,
-              allow_missing: bool = False, base_experts: int = 0,
-              adapter_experts: AdapterHoldings | None = None) -> "RoutingTable":
+              allow_missing: bool = False, base_experts: int = 0) -> "RoutingTable":
         """The table of ``holdings``; ``PlacementError`` if a layer is missing, or (unless
         ``allow_missing``: a live tier that lost the last holder of an expert) if an expert of
         some layer has no holder. ``base_experts``: the model's experts, when ``num_experts``
         also counts ESFT adapter slots (ids ``base_experts ..``, held or not: a free slot is
-        not missing); ``adapter_experts``: which held experts are adapter experts."""
+        not missing); the holdings' adapter records say which held experts are adapters'."""
+        assert isinstance(holdings, Holdings), type(holdings)
         base = base_experts or num_experts
-        servers = tuple(holdings)
-        adapters = {s: {layer: dict(held) for layer, held in by_layer.items() if held}
-                    for s, by_layer in (adapter_experts or {}).items() if s in holdings}
-        untrusted = _described_differently(adapters)
+        untrusted = _described_differently(holdings)
         layers = {}
         for layer in moe_layers:
-            missing = [s for s in servers if layer not in holdings[s]]
+            missing = [s for s, held in holdings.items() if layer not in held]
             if missing:
                 raise PlacementError(f"servers {missing} say nothing about MoE layer {layer}")
-            routed = [[e for e in holdings[s][layer] if e not in untrusted.get(layer, ())]
-                      for s in servers]
+            routed = [[e for e in held[layer] if e not in untrusted.get(layer, ())]
+                      for held in holdings.values()]
             try:
                 layers[layer] = ExpertRouting(routed, num_experts,
                                               allow_missing or base < num_experts)
@@ -66,40 +57,42 @@ class RoutingTable:
                 raise PlacementError(f"MoE layer {layer}: experts "
                                      f"{[e for e in layers[layer].missing if e < base]} are on "
                                      "no expert server")
-        placement = {s: {layer: tuple(sorted(holdings[s][layer])) for layer in moe_layers}
-                     for s in servers}
-        return cls(epoch, servers, layers, num_experts, placement, base, adapters,
+        return cls(epoch, holdings, layers, num_experts, base,
                    {layer: tuple(sorted(ids)) for layer, ids in untrusted.items()})
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """Stable server ids; ``ExpertRouting`` indices point into this."""
+        return self.holdings.servers
 
     def adapters(self) -> dict[str, dict[int, dict[int, int]]]:
         """The ESFT adapters the servers hold experts of: adapter -> MoE layer -> base expert
         -> physical id. A physical id two servers describe differently is left out (and so
         is its adapter's use of it): it cannot be trusted to be either (``untrusted``)."""
-        described = {(layer, physical): d for by_layer in (self.adapter_experts or {}).values()
+        described = {(layer, physical): d for by_layer in self.holdings.adapters.values()
                      for layer, held in by_layer.items() for physical, d in held.items()
                      if physical not in self.untrusted.get(layer, ())}
         out: dict[str, dict[int, dict[int, int]]] = {}
-        for (layer, physical), (name, base, _) in sorted(described.items()):
-            out.setdefault(name, {}).setdefault(layer, {})[base] = physical
+        for (layer, physical), d in sorted(described.items()):
+            out.setdefault(d.adapter, {}).setdefault(layer, {})[d.base] = physical
         return out
 
     def adapter_digests(self, name: str) -> dict[int, dict[int, str]]:
         """Adapter ``name``'s experts' digests as the servers describe them: MoE layer ->
         base expert -> digest."""
         out: dict[int, dict[int, str]] = {}
-        for by_layer in (self.adapter_experts or {}).values():
+        for by_layer in self.holdings.adapters.values():
             for layer, held in by_layer.items():
-                for adapter, base, digest in held.values():
-                    if adapter == name:
-                        out.setdefault(layer, {})[base] = digest
+                for d in held.values():
+                    if d.adapter == name:
+                        out.setdefault(layer, {})[d.base] = d.digest
         return out
 
     @classmethod
     def uniform(cls, epoch: int, experts: Mapping[str, list[int]], moe_layers: list[int],
                 num_experts: int) -> "RoutingTable":
         """Every server holds the same experts in every layer."""
-        return cls.build(epoch, {s: {layer: list(e) for layer in moe_layers}
-                                 for s, e in experts.items()}, moe_layers, num_experts)
+        return cls.build(epoch, Holdings.uniform(experts, moe_layers), moe_layers, num_experts)
 
     @property
     def missing(self) -> dict[int, list[int]]:
@@ -109,25 +102,17 @@ class RoutingTable:
         missing = {layer: [e for e in r.missing if e < base] for layer, r in self.layers.items()}
         return {layer: ids for layer, ids in missing.items() if ids}
 
-    def holdings(self) -> dict[str, dict[int, list[int]]]:
-        """The table's placement, as ``build`` takes it (a copy to change)."""
-        return {s: {layer: list(ids) for layer, ids in layers.items()}
-                for s, layers in self.placement.items()}
-
     def without(self, server: str, allow_missing: bool = False) -> "RoutingTable":
         """The next epoch without ``server``; ``PlacementError`` naming the layer and experts
         that would lose their last holder, unless ``allow_missing``."""
-        holdings = self.holdings()
-        holdings.pop(server)
-        return RoutingTable.build(self.epoch + 1, holdings, list(self.layers), self.num_experts,
-                                  allow_missing, self.base_experts, self.adapter_experts)
+        return RoutingTable.build(self.epoch + 1, self.holdings.without(server), list(self.layers),
+                                  self.num_experts, allow_missing, self.base_experts)
 
     def with_server(self, server: str, layers: Mapping[int, list[int]]) -> "RoutingTable":
         """The next epoch with ``server`` holding ``layers`` (replacing what it held)."""
-        holdings = self.holdings()
-        holdings[server] = {layer: list(experts) for layer, experts in layers.items()}
-        return RoutingTable.build(self.epoch + 1, holdings, list(self.layers), self.num_experts,
-                                  bool(self.missing), self.base_experts, self.adapter_experts)
+        return RoutingTable.build(self.epoch + 1, self.holdings.with_server(server, layers),
+                                  list(self.layers), self.num_experts, bool(self.missing),
+                                  self.base_experts)
 
     def assign(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
         """``[T, K]`` expert ids of ``layer`` -> ``[T, K]`` indices into ``servers`` (-1 for -1,
@@ -135,14 +120,14 @@ class RoutingTable:
         return self.layers[layer].assign(expert_ids)
 
 
-def _described_differently(adapters: AdapterHoldings) -> dict[int, set[int]]:
+def _described_differently(holdings: Holdings) -> dict[int, set[int]]:
     """MoE layer -> the physical ids that two servers describe as different adapter experts
     (two SGLang servers that placed two adapters under one id at the same moment)."""
     seen: dict[tuple[int, int], set] = {}
-    for by_layer in adapters.values():
+    for by_layer in holdings.adapters.values():
         for layer, held in by_layer.items():
             for physical, described in held.items():
-                seen.setdefault((layer, physical), set()).add(tuple(described))
+                seen.setdefault((layer, physical), set()).add(described)
     out: dict[int, set[int]] = {}
     for (layer, physical), described in seen.items():
         if len(described) > 1:

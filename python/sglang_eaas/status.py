@@ -16,8 +16,8 @@ from collections import Counter
 
 from ibgda import TransportError
 from sglang_eaas import envs
-from sglang_eaas.monitor import connect, parse_monitor
-from sglang_eaas.protocol.monitor import SERVING, Member, Snapshot
+from sglang_eaas.membership import connect, parse_monitor
+from sglang_eaas.protocol.monitor import Member, Snapshot
 
 
 def ranges(ids: list[int]) -> str:
@@ -41,8 +41,8 @@ def render(snapshot: Snapshot, monitor: str) -> str:
              "EXPERTS PER MOE LAYER")]
     for m in servers:
         held = "; ".join(f"{layer}: {ranges(ids)}"
-                         for layer, ids in sorted(m.base_holdings().items()))
-        adapters = Counter(v[0] for by in m.adapter_experts.values() for v in by.values())
+                         for layer, ids in m.holdings.model_experts(m.num_experts).items())
+        adapters = Counter(d.adapter for by in m.holdings.adapters.values() for d in by.values())
         if adapters:
             held += "; ESFT adapter experts: " + ", ".join(
                 f"{name} {n}" for name, n in sorted(adapters.items()))
@@ -52,10 +52,11 @@ def render(snapshot: Snapshot, monitor: str) -> str:
     lines += _table(rows)
     lines += ["", "coverage (live serving holders per expert):"]
     for fingerprint, group in sorted(_by_model(servers).items()):
-        layers = sorted({layer for m in group for layer in m.holdings()})
+        serving = snapshot.holdings(fingerprint)
+        layers = sorted({layer for m in group for layer in m.holdings})
         for layer in layers:
-            count = Counter(e for m in group if m.status == SERVING
-                            for e in m.holdings().get(layer, ()))
+            count = Counter({e: len(holders)
+                             for e, holders in serving.holders(layer).items()})
             experts = range(max(m.num_experts for m in group))
             missing = [e for e in experts if count[e] == 0]
             spread = Counter(count[e] for e in experts if count[e])

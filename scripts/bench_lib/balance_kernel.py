@@ -77,7 +77,7 @@ class Routing:
 
 def routing(kernels: Kernels, placed: Placed, layer: int) -> Routing:
     planes, owner, rows, per_server = [], [], [], []
-    for i, server in enumerate(placed.placement):
+    for i, server in enumerate(placed.holdings):
         offset, physical = 0, []
         for plane in placed.physical(server, layer):
             row = np.full(kernels.num_experts, -1, dtype=np.int64)

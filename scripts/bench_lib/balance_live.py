@@ -23,9 +23,11 @@ from typing import Callable
 
 
 from sglang_eaas import cpu_runtime, envs
-from sglang_eaas.balance.apply import apply_placement, live_placement
-from sglang_eaas.monitor import connect
-from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, free_port
+from sglang_eaas.balance.apply import apply_placement
+from sglang_eaas.membership import connect
+from sglang_eaas.addresses import free_port
+from sglang_eaas.holdings import Holdings
+from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer
 
 from bench_lib.streams import closed_loop
 
@@ -53,26 +55,26 @@ def _prompts(prompts: list[str], concurrency: int) -> Callable[[int, int], str]:
     return lambda worker, n: prompts[(worker + n * concurrency) % len(prompts)]
 
 
-def _server_names(live: dict, even: dict) -> dict[str, str]:
+def _server_names(live: Holdings, even: Holdings) -> dict[str, str]:
     """Live server id -> the benchmark's name, matched by what each holds in the even
     placement it started with."""
     names = {}
     for live_id, held in live.items():
         for name, want in even.items():
-            if {int(k): sorted(v) for k, v in held.items()} == want:
+            if held == want:
                 names[live_id] = name
     if len(set(names.values())) != len(even):
         raise RuntimeError(f"the live servers do not hold the even placement: {live}")
     return names
 
 
-def run_live(model: Path, even: dict, placements: list[tuple[str, dict]], prompts: list[str],
-             args, say: Callable[[str], None]) -> list[LiveResult]:
-    """``placements``: (label, ``{server name: {layer: experts}}``) in the order to serve."""
+def run_live(model: Path, even: Holdings, placements: list[tuple[str, Holdings]],
+             prompts: list[str], args, say: Callable[[str], None]) -> list[LiveResult]:
+    """``placements``: (label, holdings by the benchmark's server names) in the order to
+    serve."""
     placement_file = args.log_dir / "bench-balance-placement.json"
     placement_file.parent.mkdir(parents=True, exist_ok=True)
-    placement_file.write_text(json.dumps({"servers": {
-        s: {str(layer): ids for layer, ids in per.items()} for s, per in even.items()}}))
+    placement_file.write_text(json.dumps(even.to_message()))
     monitor = f"127.0.0.1:{free_port()}"
     os.environ.setdefault(envs.TOKEN.name, os.urandom(16).hex())
     token = envs.TOKEN.get()
@@ -85,7 +87,7 @@ def run_live(model: Path, even: dict, placements: list[tuple[str, dict]], prompt
         def snapshot():
             watcher = connect(monitor, token)
             try:
-                return live_placement(watcher.watch(-1, 0.0))
+                return watcher.watch(-1, 0.0).holdings()
             finally:
                 watcher.close()
 
@@ -105,14 +107,13 @@ def run_live(model: Path, even: dict, placements: list[tuple[str, dict]], prompt
     return list(results.values())
 
 
-def serve(url: str, snapshot, ids: dict, names: dict, label: str, target: dict,
+def serve(url: str, snapshot, ids: dict, names: dict, label: str, target: Holdings,
           prompts: list[str], args, result: LiveResult, say: Callable[[str], None]) -> None:
     """Make ``target`` live, then run the closed loop under it; adds to ``result``."""
-    done = apply_placement(snapshot(), {ids[s]: per for s, per in target.items()},
+    done = apply_placement(snapshot(), Holdings({ids[s]: per for s, per in target.items()}),
                            envs.TOKEN.get(), grace=1.0)
     time.sleep(SETTLE)
-    now = {names[k]: v for k, v in snapshot().items()}
-    if now != {s: {int(k): sorted(v) for k, v in per.items()} for s, per in target.items()}:
+    if Holdings({names[k]: v for k, v in snapshot().items()}) != target:
         say(f"  warning: {label}: the monitor does not show the target placement yet")
     run = closed_loop(url, _prompts(prompts, args.live_concurrency), args.live_output_len,
                       args.live_concurrency,

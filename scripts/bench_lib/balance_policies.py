@@ -34,6 +34,7 @@ import numpy as np
 from sglang_eaas.balance.eplb import eplb_placement
 from sglang_eaas.balance.evaluate import layer_load
 from sglang_eaas.balance.placer import balance_model, moves
+from sglang_eaas.holdings import Holdings
 
 POLICIES = ("none", "eplb-sglang", "eplb", "moeless", "predicted", "oracle")
 LABELS = {
@@ -51,12 +52,12 @@ class Placed:
     """One window's placement: distinct experts per (server, MoE layer), and for EPLB the
     physical copies per (server, layer, expert) where that is more than one."""
 
-    placement: dict[str, dict[int, list[int]]]
+    holdings: Holdings
     copies: Optional[dict[str, dict[int, dict[int, int]]]] = None
 
-    def layer(self, layer: int) -> tuple[dict[str, list[int]], Optional[dict]]:
+    def layer(self, layer: int) -> tuple[dict[str, tuple[int, ...]], Optional[dict]]:
         """``evaluate.layer_load``'s ``placement`` and ``copies`` for one MoE layer."""
-        held = {s: list(per_layer[layer]) for s, per_layer in self.placement.items()}
+        held = self.holdings.layer(layer)
         copies = ({s: dict(per_layer[layer]) for s, per_layer in self.copies.items()}
                   if self.copies else None)
         return held, copies
@@ -64,7 +65,7 @@ class Placed:
     def physical(self, server: str, layer: int) -> list[list[int]]:
         """The server's weight sets in ``layer`` as planes: plane ``j`` holds the experts with
         more than ``j`` copies there (one plane without EPLB's doubles)."""
-        held = self.placement[server][layer]
+        held = self.holdings[server][layer]
         count = self.copies[server][layer] if self.copies else {}
         planes = [list(held)]
         while True:
@@ -75,14 +76,14 @@ class Placed:
 
     def replicas(self) -> float:
         """Weight sets per MoE layer (physical copies), averaged over layers."""
-        layers = next(iter(self.placement.values())).keys()
-        return float(np.mean([sum(len(plane) for s in self.placement
-                                  for plane in self.physical(s, layer)) for layer in layers]))
+        return float(np.mean([sum(len(plane) for s in self.holdings
+                                  for plane in self.physical(s, layer))
+                              for layer in self.holdings.layers()]))
 
 
 def even(servers: Sequence[str], layers: Sequence[int], num_experts: int) -> Placed:
-    return Placed({s: {layer: [e for e in range(num_experts) if e % len(servers) == i]
-                       for layer in layers} for i, s in enumerate(servers)})
+    return Placed(Holdings.uniform({s: [e for e in range(num_experts) if e % len(servers) == i]
+                                    for i, s in enumerate(servers)}, layers))
 
 
 def _eplb(load: np.ndarray, layers: Sequence[int], servers: Sequence[str],
@@ -91,7 +92,7 @@ def _eplb(load: np.ndarray, layers: Sequence[int], servers: Sequence[str],
     copies = {s: {layer: {e: c for e, c in per.items() if c > 1}
                   for layer, per in by_layer.items()}
               for s, by_layer in found.copies.items()}
-    return Placed(found.placement, copies)
+    return Placed(found.holdings, copies)
 
 
 def eplb_every(step_loads: np.ndarray, shift: int, period: int, window: int,
@@ -130,7 +131,7 @@ def schedule(policy: str, actual: np.ndarray, predicted: Optional[np.ndarray],
         load = {"moeless": lambda: actual[t - 1], "predicted": lambda: predicted[t],
                 "oracle": lambda: actual[t]}[policy]()
         out.append(Placed(balance_model(load, layers, servers, slots,
-                                        previous=previous.placement, cv_target=cv_target)))
+                                        previous=previous.holdings, cv_target=cv_target)))
     return out
 
 
@@ -164,7 +165,7 @@ def outcome(policy: str, placed: list[Placed], actual: np.ndarray, step_loads: n
     """``placed`` (one per window) under a trace's window loads ``actual [windows, L, E]``
     and its step loads ``step_loads [S, L, E]``."""
     n = len(placed)
-    servers = list(placed[0].placement)
+    servers = list(placed[0].holdings)
     ratio = np.zeros((n, len(layers)))
     tokens = np.zeros((n * window, len(layers), len(servers)))
     active = np.zeros_like(tokens)
@@ -177,7 +178,7 @@ def outcome(policy: str, placed: list[Placed], actual: np.ndarray, step_loads: n
                 got = layer_load(held, step_loads[s, i], copies, whole_tokens=True)
                 tokens[s, i], active[s, i] = got.tokens, got.active
         if t:
-            adds[t] = sum(len(m.adds) for m in moves(placed[t - 1].placement, p.placement))
+            adds[t] = sum(len(m.adds) for m in moves(placed[t - 1].holdings, p.holdings))
     return Outcome(policy, placed, ratio, tokens, active, adds)
 
 

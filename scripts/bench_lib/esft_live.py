@@ -34,7 +34,8 @@ from typing import Callable
 import requests
 
 from sglang_eaas import cpu_runtime, envs
-from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, free_port
+from sglang_eaas.addresses import free_port
+from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer
 
 from bench_lib.esft_probes import cpu_seconds, expert_servers, expert_weight_bytes, kernel_totals
 from bench_lib.esft_workload import Adapter

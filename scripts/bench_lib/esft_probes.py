@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from sglang_eaas import envs
-from sglang_eaas.monitor import connect
+from sglang_eaas.membership import connect
 from sglang_eaas.protocol.control import probe
 
 
@@ -24,7 +24,7 @@ def expert_servers(monitor: str) -> list[str]:
 
 def expert_weight_bytes(monitor: str) -> int:
     """The expert servers' weight bytes, summed: each server the monitor lists, probed."""
-    return sum(probe(s, envs.TOKEN.get())["weight_bytes"] for s in expert_servers(monitor))
+    return sum(probe(s, envs.TOKEN.get()).weight_bytes for s in expert_servers(monitor))
 
 
 def kernel_totals(servers: list[str]) -> tuple[int, int]:
@@ -32,8 +32,8 @@ def kernel_totals(servers: list[str]) -> tuple[int, int]:
     ns = calls = 0
     for address in servers:
         stats = probe(address, envs.TOKEN.get())
-        ns += sum(v[1] for per in stats["expert_load"].values() for v in per.values())
-        calls += stats["batches"]
+        ns += sum(ns for per in stats.expert_load.values() for _, ns in per.values())
+        calls += stats.counter("batches")
     return ns, calls
 
 

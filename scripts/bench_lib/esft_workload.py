@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_eaas.esft.domains import DOMAINS, domain_files, read_domain_text
-from sglang_eaas.tools.train_tiny_moe import corpus_files, is_held_out, read_text, stdlib_root
+from sglang_eaas.corpus import corpus_files, is_held_out, read_text, stdlib_root
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from sglang_eaas.protocol.flags import SlotState
 from sglang_eaas.protocol.header import DType
 from sglang_eaas.protocol.layout import RegionLayout, SlotLayout
 from sglang_eaas.protocol.slot import POLL_SPIN_US, ClientSlot, ServerSlot
-from sglang_eaas.tools.server_process import free_port
+from sglang_eaas.addresses import free_port
 
 from bench_lib.p2p_processes import Link, Processes
 from ibgda import LocalRegion, RegionHandle, RemoteRegion, create_transport

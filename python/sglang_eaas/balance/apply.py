@@ -1,11 +1,10 @@
 """Applying a placement to the live expert tier: adds first, then drops.
 
-A placement is ``{server: {moe_layer: [experts]}}`` (``RoutingTable.placement``'s form). From
-the tier's current one (the monitor's snapshot) to a target, every (server, layer) gets the
-experts it lacks with ``add_experts`` (read from a server that holds them now), and only once
-every add is done do servers ``drop_experts`` what the target no longer gives them; so every
-expert keeps a live holder throughout, and clients switch tables between steps
-(docs/protocol.md, "Replicas").
+From the tier's current ``Holdings`` (the monitor's snapshot: ``Snapshot.holdings``) to a
+target, every (server, layer) gets the experts it lacks with ``add_experts`` (read from a server
+that holds them now), and only once every add is done do servers ``drop_experts`` what the
+target no longer gives them; so every expert keeps a live holder throughout, and clients switch
+tables between steps (docs/protocol.md, "Replicas").
 """
 
 from __future__ import annotations
@@ -13,13 +12,11 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable
 
 from sglang_eaas.balance.placer import Move, moves
-from sglang_eaas.protocol.control import call
-from sglang_eaas.protocol.monitor import SERVING, Snapshot
-
-Placement = Mapping[str, Mapping[int, list[int]]]  # server -> MoE layer -> experts
+from sglang_eaas.holdings import Holdings
+from sglang_eaas.protocol.control import AddExperts, DropExperts, call
 
 
 @dataclass
@@ -32,14 +29,7 @@ class Applied:
     seconds: float = 0.0
 
 
-def live_placement(snapshot: Snapshot, fingerprint: str | None = None) -> dict:
-    """The serving servers' experts of the model per MoE layer, as the monitor has them (ESFT
-    adapter experts are not the balancer's)."""
-    return {m.id: m.base_holdings() for m in snapshot.servers(fingerprint)
-            if m.status == SERVING}
-
-
-def apply_placement(current: Placement, target: Placement, token: str, grace: float = 2.0,
+def apply_placement(current: Holdings, target: Holdings, token: str, grace: float = 2.0,
                     say: Callable[[str], None] = lambda line: None,
                     timeout: float = 120.0) -> Applied:
     """Make the live tier hold ``target``: every add (from a current holder), then every drop.
@@ -48,32 +38,28 @@ def apply_placement(current: Placement, target: Placement, token: str, grace: fl
     began = time.monotonic()
     # servers in only one of them are not placement (joining and leaving are the tier's)
     both = set(current) & set(target)
-    done = Applied(moves({s: current[s] for s in both}, {s: target[s] for s in both}))
-    holders: dict[tuple[int, int], list[str]] = defaultdict(list)
-    for server, layers in current.items():
-        for layer, experts in layers.items():
-            for e in experts:
-                holders[(layer, e)].append(server)
+    done = Applied(moves(current.only(both), target.only(both)))
     for change in done.changes:
         if not change.adds:
             continue
+        holders = current.holders(change.layer)
         by_source: dict[str, list[int]] = defaultdict(list)
         for e in change.adds:
-            sources = [s for s in holders[(change.layer, e)] if s != change.server]
+            sources = [s for s in holders.get(e, ()) if s != change.server]
             # spread the reads over the holders: the one least read from so far
             source = min(sources, key=lambda s: (len(by_source.get(s, ())), s), default="")
             by_source[source].append(e)
         for source, experts in by_source.items():
-            reply = call(change.server, token, "add_experts", timeout, layer=change.layer,
-                         experts=experts, source=source)
-            done.from_peer += len(reply["from_peer"])
-            done.from_disk += len(reply["from_disk"])
+            added = call(change.server, AddExperts(change.layer, experts, source), token,
+                         timeout)
+            done.from_peer += len(added.from_peer)
+            done.from_disk += len(added.from_disk)
             say(f"{change.server}: MoE layer {change.layer} +{experts} (from "
                 f"{source or 'disk'})")
     for change in done.changes:
         if change.drops:
-            call(change.server, token, "drop_experts", timeout, layer=change.layer,
-                 experts=list(change.drops), grace=grace)
+            call(change.server, DropExperts(change.layer, list(change.drops), grace=grace),
+                 token, timeout)
             say(f"{change.server}: MoE layer {change.layer} -{list(change.drops)}")
     done.seconds = time.monotonic() - began
     return done

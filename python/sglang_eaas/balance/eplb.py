@@ -7,7 +7,7 @@ choice without expert groups) gets ``[1, L, E]`` tokens, ``S * slots`` physical 
 on server ``p // slots`` (EPLB numbers a GPU's physical experts contiguously).
 
 EPLB may put two physical replicas of one expert on one GPU. Our servers hold an expert once,
-so ``placement`` lists it once there, and ``copies`` says how many physical replicas EPLB meant:
+so ``holdings`` lists it once there, and ``copies`` says how many physical replicas EPLB meant:
 ``evaluate.layer_load(..., copies=...)`` measures EPLB as SGLang runs it (that server gets that
 many shares of the expert's tokens and streams that many weight sets), and without ``copies``
 as our tier would run that placement (an even split over distinct holders).
@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from sglang_eaas.holdings import Holdings
 from sglang_eaas.placement import PlacementError
 
 
@@ -28,7 +29,7 @@ from sglang_eaas.placement import PlacementError
 class EplbPlacement:
     """EPLB's answer in our form."""
 
-    placement: dict[str, dict[int, list[int]]]  # server -> MoE layer -> distinct experts, sorted
+    holdings: Holdings  # server -> MoE layer -> distinct experts
     copies: dict[str, dict[int, dict[int, int]]]  # server -> layer -> expert -> physical replicas
     physical_to_logical: np.ndarray  # [L, S * slots] int64, EPLB's own map
 
@@ -63,4 +64,4 @@ def eplb_placement(loads: np.ndarray, layers: Sequence[int], servers: Sequence[s
             counted = Counter(phy2log[row, g * slots:(g + 1) * slots].tolist())
             placement[s][layer] = sorted(counted)
             copies[s][layer] = dict(sorted(counted.items()))
-    return EplbPlacement(placement, copies, phy2log)
+    return EplbPlacement(Holdings(placement), copies, phy2log)

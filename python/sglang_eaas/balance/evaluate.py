@@ -76,9 +76,3 @@ def replica_counts(placement: Mapping[str, Sequence[int]], num_experts: int) -> 
     for experts in placement.values():
         counts[list(experts)] += 1
     return counts
-
-
-def layer_of(model: Mapping[str, Mapping[int, Sequence[int]]], layer: int
-             ) -> dict[str, list[int]]:
-    """One MoE layer of a model placement ``{server: {layer: experts}}``."""
-    return {s: list(held.get(layer, ())) for s, held in model.items()}

@@ -18,7 +18,8 @@ from sglang_eaas.balance.eplb import eplb_placement
 from sglang_eaas.balance.evaluate import layer_load
 from sglang_eaas.balance.load import LoadWindow, latest_windows
 from sglang_eaas.balance.placer import Move, balance_model, moves
-from sglang_eaas.protocol.monitor import SERVING, Snapshot
+from sglang_eaas.holdings import Holdings
+from sglang_eaas.protocol.monitor import Snapshot
 
 POLICIES = ("moeless", "eplb")
 
@@ -58,8 +59,8 @@ class Plan:
     """One pass's decision: the current and target placements, the moves between them, and
     each layer's busiest-server load over the mean before and after (under ``load``)."""
 
-    current: dict
-    target: dict
+    current: Holdings
+    target: Holdings
     moves: list[Move]
     load: np.ndarray  # [L, E]
     layers: tuple[int, ...]
@@ -67,29 +68,31 @@ class Plan:
     after: tuple[float, ...]
 
 
-def tier_placement(snapshot: Snapshot) -> tuple[dict, int]:
-    """The serving servers' placement and the model's experts per layer; ``ValueError`` if
-    the tier serves several models (balance one at a time) or none."""
-    servers = [m for m in snapshot.servers() if m.status == SERVING]
-    models = {(m.fingerprint, m.num_experts) for m in servers}
+def tier_holdings(snapshot: Snapshot) -> tuple[Holdings, int]:
+    """What the serving servers hold of the model (ESFT adapter experts are not the
+    balancer's), and the model's experts per layer; ``ValueError`` if the tier serves several
+    models (balance one at a time) or none."""
+    serving = snapshot.holdings()
+    models = {(m.fingerprint, m.num_experts) for m in snapshot.servers() if m.id in serving}
     if len(models) != 1:
         raise ValueError(f"the tier must serve one model to balance, it serves {len(models)}")
-    return {m.id: m.base_holdings() for m in servers}, models.pop()[1]
+    num_experts = models.pop()[1]
+    return serving.model_experts(num_experts), num_experts
 
 
-def plan(current: dict, load: np.ndarray, layers: Sequence[int], slots: int,
+def plan(current: Holdings, load: np.ndarray, layers: Sequence[int], slots: int,
          policy: str = "moeless", **options) -> Plan:
-    """The placement for ``load`` on the servers of ``current`` (``tier_placement``), warm
+    """The placement for ``load`` on the servers of ``current`` (``tier_holdings``), warm
     from it."""
     servers = sorted(current)
     if policy == "eplb":
-        target = eplb_placement(load, layers, servers, slots).placement
+        target = eplb_placement(load, layers, servers, slots).holdings
     else:
         target = balance_model(load, layers, servers, slots, previous=current, **options)
 
-    def ratios(placement: dict) -> tuple[float, ...]:
-        return tuple(layer_load({s: placement[s].get(layer, ()) for s in servers},
-                                load[i]).max_over_mean for i, layer in enumerate(layers))
+    def ratios(holdings: Holdings) -> tuple[float, ...]:
+        return tuple(layer_load(holdings.only(servers).layer(layer), load[i]).max_over_mean
+                     for i, layer in enumerate(layers))
 
     return Plan(current, target, moves(current, target), load, tuple(layers), ratios(current),
                 ratios(target))

@@ -1,10 +1,10 @@
 """Which servers hold the replicas of one MoE layer: MoEless's Algorithm 2, with warm reuse
 bounded by balance, and the whole model (scaler + placer on every layer).
 
-A layer's placement is ``{server: sorted experts}``; a model's is ``{server: {moe_layer: sorted
-experts}}``, ``RoutingTable.placement``'s form. Capacity is counted in expert slots per MoE
-layer per server: a server may hold at most ``slots`` experts of each layer (each distinct; one
-slot is one expert's weights). docs/balancing.md, "Placer", says why and how.
+A layer's placement is ``{server: sorted experts}``; a model's is a ``Holdings``. Capacity is
+counted in expert slots per MoE layer per server: a server may hold at most ``slots`` experts of
+each layer (each distinct; one slot is one expert's weights). docs/balancing.md, "Placer", says
+why and how.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from sglang_eaas.balance.scaler import DEFAULT_CV_TARGET, scale_layer
+from sglang_eaas.holdings import Holdings
 from sglang_eaas.placement import PlacementError
 
 LayerPlacement = Mapping[str, Sequence[int]]  # server -> experts of one MoE layer
-ModelPlacement = Mapping[str, Mapping[int, Sequence[int]]]  # server -> MoE layer -> experts
 
 # How much more (relative) the busiest server may carry than in a placement from scratch, for
 # a layer to be left as it is (``balance_model``) or placed warm (``place_layer``).
@@ -197,10 +197,10 @@ def _refine(held: list[set[int]], per_replica: np.ndarray, slots: int,
 
 
 def balance_model(loads: np.ndarray, layers: Sequence[int], servers: Sequence[str], slots: int,
-                  previous: ModelPlacement | None = None, cv_target: float = DEFAULT_CV_TARGET,
+                  previous: Holdings | None = None, cv_target: float = DEFAULT_CV_TARGET,
                   slots_total: int | None = None,
-                  warm_slack: float = DEFAULT_WARM_SLACK) -> dict[str, dict[int, list[int]]]:
-    """Scale and place every MoE layer: ``{server: {layer: sorted experts}}``.
+                  warm_slack: float = DEFAULT_WARM_SLACK) -> Holdings:
+    """Scale and place every MoE layer: every server of ``servers`` and its experts there.
 
     ``loads``: ``[L, E]`` tokens per (layer, expert), rows in the order of ``layers``;
     ``slots``: experts of one layer a server may hold; ``slots_total``: optionally, experts of
@@ -232,7 +232,7 @@ def balance_model(loads: np.ndarray, layers: Sequence[int], servers: Sequence[st
             placed = place_layer(replicas, loads[row], servers, slots, before, warm_slack)
         for s, experts in placed.items():
             out[s][layer] = experts
-    return out
+    return Holdings(out)
 
 
 def _keeps(before: LayerPlacement, fresh: LayerPlacement, load: np.ndarray,
@@ -261,7 +261,7 @@ def _holders(held: list[set[int]], num_experts: int) -> np.ndarray:
     return counts
 
 
-def moves(old: ModelPlacement, new: ModelPlacement) -> list[Move]:
+def moves(old: Holdings, new: Holdings) -> list[Move]:
     """Per (layer, server), what ``new`` adds and drops relative to ``old`` (a server in only
     one of them adds or drops all it holds there); empty when they hold the same."""
     found = []

@@ -1,7 +1,7 @@
 """Routing traces of a Qwen3-MoE checkpoint: what each MoE layer's router saw and picked.
 
 A *request* is one chunk of ``tokens`` consecutive tokens of one CPython stdlib source file
-(the files ``train_tiny_moe`` draws its corpus from, by the same rule), encoded as a server
+(``corpus.py``: the files the tiny checkpoint was trained on, by the same rule), encoded as a server
 would encode the text (no BOS); its id is ``"<relative path>#<chunk>"``. ``record`` runs the
 model (transformers, float32, eval, no grad) over the requests and keeps, per MoE layer and
 token, the router's input (the output of ``post_attention_layernorm``) and its top-k expert
@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from sglang_eaas.balance.load import LoadWindow
+from sglang_eaas.corpus import corpus_files, read_text, stdlib_root
 
 SPLIT_MOD = 10
 SPLITS = {"train": range(0, 6), "valid": range(6, 7), "test": range(7, 10)}
@@ -58,8 +59,6 @@ def stdlib_requests(tokenizer, tokens: int = 256, chunks_per_file: int = 1,
     """Chunks of ``tokens`` tokens (at most ``chunks_per_file`` per file; a file shorter than one
     chunk gives none) of the stdlib sources, files in sorted order. With ``max_requests`` > 0,
     that many spread evenly over the list (request ``i * n // max_requests``)."""
-    from sglang_eaas.tools.train_tiny_moe import corpus_files, read_text, stdlib_root
-
     root = stdlib_root() if root is None else root
     files = corpus_files(root)
     encoded = tokenizer.backend_tokenizer.encode_batch(

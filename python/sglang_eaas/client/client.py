@@ -36,9 +36,10 @@ from sglang_eaas.client.device_step import DeviceFailure, DeviceStep, drives_dev
 from sglang_eaas.client.metrics import TierMetrics
 from sglang_eaas.client.tier import ClientTier, TierSettings, View
 from sglang_eaas.esft.routing import AdapterRouting
+from sglang_eaas.holdings import Holdings
+from sglang_eaas.membership import HEARTBEAT
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.monitor import HEARTBEAT
-from sglang_eaas.placement import NO_HOLDER, PlacedExperts, PlacementError
+from sglang_eaas.placement import NO_HOLDER, PlacementError
 from sglang_eaas.protocol import ProtocolError
 from sglang_eaas.protocol.header import RejectReason
 from sglang_eaas.protocol.slot import POLL_SPIN_US, ClientSlot, Rejected
@@ -53,7 +54,7 @@ class EaasClient:
 
     def __init__(self, addresses: list[str], info: MoeModelInfo, model: ModelIdentity,
                  dtype: torch.dtype, name: str,
-                 expected_experts: dict[str, PlacedExperts] | None = None,
+                 expected_experts: Holdings | None = None,
                  result_timeout: float = 2.0, transport: str = transports.AUTO,
                  poll_spin: float = POLL_SPIN_US * 1e-6, monitor: str = "",
                  heartbeat: float = HEARTBEAT, wait_for_experts: float = 30.0,
@@ -70,11 +71,15 @@ class EaasClient:
         self.micro_batches = micro_batches
         self.dispatched = [0] * micro_batches  # MoE layers sent, per micro-batch
         self.metrics = metrics or TierMetrics()
+        self.load = LoadRecorder(name, info.moe_layers, info.num_experts, load_window,
+                                 load_sinks)
         self.tier = ClientTier(TierSettings(tuple(addresses), monitor, heartbeat, result_timeout,
                                             transport, expected_experts, wait_for_experts,
                                             micro_batches=micro_batches,
                                             adapter_slots=adapter_slots),
-                               info, model, dtype, name, self.metrics)
+                               info, model, dtype, name, self.metrics,
+                               load=self.load.message,  # the heartbeat's: the last window
+                               adopted=lambda: self.view.epoch)
         self._lock = threading.Lock()  # the view in use, the staged one, in_step
         self._staged: View | None = None
         self.in_step = False
@@ -83,13 +88,10 @@ class EaasClient:
         self._device_ok = True
         self._device_step: DeviceStep | None = None
         self._explicit_steps = False  # begin_step/end_step are called (SGLang's run_batch)
-        self.load = LoadRecorder(name, info.moe_layers, info.num_experts, load_window,
-                                 load_sinks)
-        self.tier.load = self.load.message  # the heartbeat's load: the last window
         self.esft = AdapterRouting(info.moe_layers, info.num_experts) if adapter_slots else None
         self.view = self.tier.start()
         self._install(self.view)
-        self.tier.on_view = self._offer
+        self.tier.follow(self._offer)
 
     # -- views -----------------------------------------------------------------------------
     @property
@@ -159,7 +161,6 @@ class EaasClient:
         else:
             self._device_step = None
         self.view = view
-        self.tier.adopted_epoch = view.epoch
         self.metrics.view(view)
 
     def begin_step(self, explicit: bool = True) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from ibgda import RegionHandle, TransportError, create_transport
 from sglang_eaas import envs, transports
 from sglang_eaas.checkpoint import ModelIdentity
-from sglang_eaas.protocol.control import JoinReply
+from sglang_eaas.holdings import ServerHoldings
+from sglang_eaas.protocol.control import JoinRequest, Ready, ReleaseSlots, ServerStats, Stats
 from sglang_eaas.protocol.lines import Channel
 from sglang_eaas.protocol.slot import ClientSlot, dtype_name
 
@@ -39,27 +40,21 @@ class ServerConnection:
         self.device_channel = None  # client.device_step.DeviceChannel, made on first use
         self._channel = Channel(address, envs.TOKEN.get() if token is None else token,
                                        timeout)
+        join = JoinRequest(client_name, model.fingerprint, dtype_name(dtype), transport,
+                           list(model.expert_digests), client_incarnation)
         try:
             for _ in range(slots):
-                reply = JoinReply.from_message(self._channel.call(
-                    "join", client=client_name, fingerprint=model.fingerprint,
-                    dtype=dtype_name(dtype), transport=transport,
-                    expert_digests=list(model.expert_digests), incarnation=client_incarnation))
+                reply = self._channel.call(join)
                 self.layout = reply.layout
-                self.experts: list[int] = reply.experts  # held in at least one layer
-                self.layer_experts: dict[int, list[int]] = reply.layer_experts
-                # which of them are ESFT adapter experts: layer -> physical -> (adapter,
-                # base expert, digest)
-                self.adapter_experts: dict[int, dict[int, tuple]] = {
-                    int(layer): {int(p): tuple(v) for p, v in held.items()}
-                    for layer, held in reply.adapter_experts.items()}
+                # what the server holds (the tier keeps it current: the monitor says changes)
+                self.holdings: ServerHoldings = reply.holdings
                 self.moe_layers: list[int] = reply.moe_layers
                 if self.region is None:  # every slot of a server is in its one region
                     handle = RegionHandle.from_dict(reply.region)
                     self.region = create_transport(handle.backend).connect(handle)
                 self.slots.append(ClientSlot(self.region, reply.base, self.layout, reply.bell,
                                              reply.first_seq))
-                self._channel.call("ready")
+                self._channel.call(Ready())
         except BaseException:
             self.close()
             raise
@@ -77,8 +72,8 @@ class ServerConnection:
     def socket(self):
         return self._channel.socket
 
-    def stats(self) -> dict:
-        return self._channel.call("stats")["stats"]
+    def stats(self) -> ServerStats:
+        return self._channel.call(Stats())
 
     def close(self) -> None:
         """Leave the slot (OFFLINE), wait for the server to take it back, close the control
@@ -92,7 +87,7 @@ class ServerConnection:
             self.slots = []
             try:
                 self._channel.settimeout(LEAVE_TIMEOUT)  # a hung server must not hang our exit
-                self._channel.call("leave")
+                self._channel.call(ReleaseSlots())
             except (TransportError, ValueError):
                 pass
         if self.region is not None:

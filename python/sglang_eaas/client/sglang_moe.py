@@ -22,7 +22,6 @@ from sglang_eaas.client.client import EaasClient
 from sglang_eaas.client.load_sinks import DumpFile, Publisher, rank_path
 from sglang_eaas.client.metrics import PrometheusTierMetrics, TierMetrics
 from sglang_eaas.model_info import MoeModelInfo, is_routed_expert_tensor
-from sglang_eaas.placement import load_placement_file
 from sglang_eaas.protocol.slot import POLL_SPIN_US
 
 logger = logging.getLogger(__name__)
@@ -37,9 +36,9 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
 
         cfg, server_args = eaas_config.current(), get_server_args()
         assert isinstance(cfg.expert_servers, eaas_config.RemoteServers), cfg
-        expected = load_placement_file(cfg.placement) if cfg.placement else None
         name = f"{socket.gethostname()}:{os.getpid()}"
         info = MoeModelInfo.from_model_path(server_args.model_path)
+        expected = cfg.placement.holdings(info.moe_layers) if cfg.placement else None
         metrics = _metrics(server_args)
         sinks = _load_sinks(cfg, metrics)
         _client = EaasClient(list(cfg.expert_servers.addresses), info,

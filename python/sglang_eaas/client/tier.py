@@ -38,10 +38,11 @@ from sglang_eaas import transports
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.client.metrics import TierMetrics
+from sglang_eaas.holdings import Holdings
+from sglang_eaas.membership import HEARTBEAT, connect
+from sglang_eaas.membership.presence import Presence
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.monitor import HEARTBEAT, connect
-from sglang_eaas.monitor.presence import Presence
-from sglang_eaas.placement import PlacedExperts, PlacementError, layer_holdings
+from sglang_eaas.placement import PlacementError
 from sglang_eaas.protocol.lines import ControlError
 from sglang_eaas.protocol.monitor import CLIENT, SERVING, Member, Snapshot
 from sglang_eaas.protocol.slot import DTYPE_NAMES
@@ -75,7 +76,7 @@ class TierSettings:
     heartbeat: float = HEARTBEAT
     result_timeout: float = 2.0  # seconds a server may take to answer before it is dropped
     transport: str = transports.AUTO
-    expected: Mapping[str, PlacedExperts] | None = None  # a placement file's entries
+    expected: Holdings | None = None  # a placement file's servers and their experts
     wait_for_experts: float = 30.0  # seconds to wait at start until every expert has a holder
     token: str | None = field(default=None, repr=False)
     micro_batches: int = 1  # slots per server: 2 with two-batch overlap (one per micro-batch)
@@ -84,8 +85,13 @@ class TierSettings:
 
 class ClientTier:
     def __init__(self, settings: TierSettings, info: MoeModelInfo, model: ModelIdentity,
-                 dtype: torch.dtype, client_id: str, metrics: TierMetrics | None = None):
+                 dtype: torch.dtype, client_id: str, metrics: TierMetrics | None = None,
+                 load: Callable[[], dict] = dict, adopted: Callable[[], int] = lambda: 0):
+        """``load``: what the heartbeat carries (the client's last load window);
+        ``adopted``: the epoch of the view the data path uses now (a connection dropped from
+        the views is closed only once the data path has adopted one past it)."""
         self.settings, self.info, self.model = settings, info, model
+        self._load, self._adopted = load, adopted
         self.metrics = metrics or TierMetrics()
         self.dtype, self.client_id = DTYPE_NAMES[dtype], client_id
         self._lock = threading.RLock()
@@ -98,13 +104,11 @@ class ClientTier:
         self._recovering = threading.Lock()  # one recovery at a time
         self._check_backend = None
         self._epoch = -1  # the first view is epoch 0
-        self.adopted_epoch = 0  # the data path's current view (it sets this)
         self.evicted = False
         self._joined_as = ""  # this client's incarnation that its connections belong to
         self.stats: collections.Counter[str] = collections.Counter()
         # The data path's way to take a new view (it ignores one older than what it has).
         self.on_view: Callable[[View], None] = lambda view: None
-        self.load: Callable[[], dict] = dict  # what the heartbeat carries (the last window)
         self.backend = self.presence = None
         self._revision = -1
         self._stop = threading.Event()
@@ -117,8 +121,9 @@ class ClientTier:
 
     # -- start -----------------------------------------------------------------------------
     def start(self) -> View:
-        """Register with the monitor, join every server, wait until every expert has a holder
-        (``PlacementError`` after ``wait_for_experts``), then follow the tier."""
+        """Register with the monitor, join every server and wait until every expert has a
+        holder (``PlacementError`` after ``wait_for_experts``): the first view. ``follow``
+        then follows the tier."""
         s = self.settings
         try:
             snapshot = None
@@ -126,7 +131,7 @@ class ClientTier:
                 self.backend = connect(s.monitor, self._token())
                 member = Member(CLIENT, self.client_id, socket.gethostname(), os.getpid())
                 self.presence = Presence(connect(s.monitor, self._token()), member,
-                                         s.heartbeat, load=lambda: self.load(),
+                                         s.heartbeat, load=self._load,
                                          on_lost=self._on_evicted).start()
                 snapshot = self.backend.watch(-1, 0.0)
                 self._joined_as = self.presence.incarnation
@@ -136,14 +141,18 @@ class ClientTier:
                                                   timeout=START_TIMEOUT)
             self._check_expected()
             view = self._apply(snapshot) if snapshot else self._build()
-            view = self._wait_for_experts(view)
+            return self._wait_for_experts(view)
         except BaseException:
             self.close()
             raise
+
+    def follow(self, on_view: Callable[[View], None]) -> None:
+        """From now on, hand every new view to ``on_view`` (the data path's: it ignores one
+        older than what it has)."""
+        self.on_view = on_view
         self._watcher.start()
         self._closes.start()
         self._rejoins.start()
-        return view
 
     def token(self) -> str:
         """The shared secret of the expert servers' control endpoints."""
@@ -163,13 +172,12 @@ class ClientTier:
                                 if self.presence else "", slots=self.settings.micro_batches)
 
     def _check_expected(self) -> None:
-        expected = self.settings.expected
+        expected = self.settings.expected or Holdings()
         for address, conn in self._conns.items():
-            planned = (None if expected is None or address not in expected else
-                       layer_holdings(expected[address], self.info.moe_layers))
-            if planned is not None and conn.layer_experts != planned:
+            planned = expected.get(address)
+            if planned is not None and not conn.holdings.same_experts(planned):
                 raise PlacementError(
-                    f"expert server {address} holds experts {conn.layer_experts} (per MoE "
+                    f"expert server {address} holds experts {conn.holdings} (per MoE "
                     f"layer), the placement file says {planned}")
 
     def _wait_for_experts(self, view: View) -> View:
@@ -198,13 +206,10 @@ class ClientTier:
         adapter slots, ``TierSettings.adapter_slots`` per layer; an adapter expert past them,
         placed by a client with more slots, is not this client's to use)."""
         size = self.info.num_experts + self.settings.adapter_slots
-        return RoutingTable.build(epoch, {s: {layer: [e for e in ids if e < size]
-                                              for layer, ids in c.layer_experts.items()}
-                                          for s, c in conns.items()},
+        return RoutingTable.build(epoch, Holdings({s: c.holdings.below(size)
+                                                   for s, c in conns.items()}),
                                   list(self.info.moe_layers), size,
-                                  allow_missing=True, base_experts=self.info.num_experts,
-                                  adapter_experts={s: c.adapter_experts
-                                                   for s, c in conns.items()})
+                                  allow_missing=True, base_experts=self.info.num_experts)
 
     def live_connections(self) -> dict[str, ServerConnection]:
         with self._lock:
@@ -229,12 +234,11 @@ class ClientTier:
                     conn.incarnation = m.incarnation  # joined before it had registered
                     continue
                 if m is not None and m.incarnation == conn.incarnation and m.status == SERVING:
-                    holdings, adapters = m.holdings(), m.adapter_holdings()
-                    if (holdings, adapters) != (conn.layer_experts, conn.adapter_experts):
+                    if m.holdings != conn.holdings:
                         # a replica (or an adapter's experts) added or dropped
                         logger.info("sglang-eaas: expert server %s now holds experts per MoE "
-                                    "layer %s", sid, holdings)
-                        conn.layer_experts, conn.adapter_experts = holdings, adapters
+                                    "layer %s", sid, m.holdings)
+                        conn.holdings = m.holdings
                         self.stats["holdings_changes"] += 1
                     continue
                 why = ("draining" if m is not None and m.status != SERVING else
@@ -258,7 +262,7 @@ class ClientTier:
                 self._failed_joins.pop((sid, m.incarnation), None)
             self.stats["joins"] += 1
             logger.info("sglang-eaas: expert server %s joined the table (experts per MoE layer "
-                        "%s)", sid, conn.layer_experts)
+                        "%s)", sid, conn.holdings)
         return self._build()
 
     def _confirm_incarnations(self, servers: Mapping[str, Member]) -> dict[str, ServerConnection]:
@@ -273,7 +277,7 @@ class ClientTier:
         for conn, member in unknown:
             for attempt in range(CONFIRM_TRIES):  # it answers once its registration returned
                 try:
-                    reported = conn.stats().get("incarnation")
+                    reported = conn.stats().incarnation
                 except (TransportError, ControlError, OSError):
                     break
                 if reported is not None:
@@ -500,11 +504,10 @@ class ClientTier:
         """Close the connections the data path no longer uses: dropped from a view it has
         adopted, and with no request of either micro-batch still to be collected (a wait on
         an unmapped slot would crash the process)."""
+        adopted = self._adopted()
         with self._lock:
-            done = [c for epoch, c in self._retired
-                    if epoch <= self.adopted_epoch and not c.in_flight]
-            self._retired = [(e, c) for e, c in self._retired
-                             if e > self.adopted_epoch or c.in_flight]
+            done = [c for epoch, c in self._retired if epoch <= adopted and not c.in_flight]
+            self._retired = [(e, c) for e, c in self._retired if e > adopted or c.in_flight]
         for conn in done:  # a hung server makes close() wait LEAVE_TIMEOUT: not on this thread
             threading.Thread(target=conn.close, name="eaas-close", daemon=True).start()
 

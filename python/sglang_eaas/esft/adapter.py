@@ -38,6 +38,13 @@ class AdapterError(ValueError):
     """An ESFT adapter that cannot be served over the given base model."""
 
 
+def default_max_experts(num_experts: int) -> int:
+    """The most experts an adapter replaces in one MoE layer, by default: a quarter of the
+    model's (``--eaas-esft-max-experts``' default, and the most ``tools.esft random``
+    replaces unless told, so that what the tool makes is served with default flags)."""
+    return max(1, num_experts // 4)
+
+
 @dataclass(frozen=True)
 class EsftAdapter:
     """A validated adapter (``load_adapter``): ``experts`` maps a MoE layer id to the sorted base

@@ -2,7 +2,7 @@
 
 Each domain is text that a stock Debian machine with CPython already has (nothing is downloaded)
 and that the base model did not see: it was trained on the stdlib's ``*.py`` sources *without*
-their test directories (``tools.train_tiny_moe``). Files are listed in sorted order, split by
+their test directories (``sglang_eaas.corpus``). Files are listed in sorted order, split by
 file exactly as the base model's corpus was (held out when ``crc32(relative path) % 20 == 0``),
 then each split is put in a fixed pseudo-random order (by another CRC of the path) and read up
 to a size of text, so a capped split is a sample of the whole domain rather than its first
@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from sglang_eaas.tools.train_tiny_moe import (
-    HELD_OUT_MOD, SKIP_DIRS, is_held_out, read_text, stdlib_root,
-)
+from sglang_eaas.corpus import HELD_OUT_MOD, SKIP_DIRS, is_held_out, read_text, stdlib_root
 
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 

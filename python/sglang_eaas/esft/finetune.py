@@ -1,7 +1,7 @@
 """ESFT training: fine-tune only a domain's most relevant routed experts of a checkpoint.
 
 1. The domain's files are split (``domains.split_domain``) and encoded with the base model's own
-   tokenizer (``train_tiny_moe.token_stream``).
+   tokenizer (``training.token_stream``).
 2. The base model (transformers, float32) runs over the first ``score_tokens`` of the training
    split; ``relevance`` scores the experts and picks, per MoE layer, the top ones reaching
    ``top_p``. Its loss on the held-out split is measured on the same run of windows as later.
@@ -32,10 +32,8 @@ from sglang_eaas.esft.domains import get_domain, split_domain
 from sglang_eaas.esft.hf import apply_adapter, routed_experts
 from sglang_eaas.esft.relevance import SCORES, expert_scores, select_experts
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.tools.train_tiny_moe import (
-    HELD_OUT_MOD, WindowBatches, cosine_lr, out_of_time, read_text, run_windows, split_corpus,
-    stdlib_root, token_stream,
-)
+from sglang_eaas.corpus import HELD_OUT_MOD, read_text, split_corpus, stdlib_root
+from sglang_eaas.training import WindowBatches, cosine_lr, out_of_time, run_windows, token_stream
 
 DEFAULT_TOP_P = 0.2  # ESFT's own default; 2-3 of 32 experts per layer on tiny-moe-stdlib
 

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Callable
 
 from ibgda import TransportError
 from sglang_eaas.esft.adapter import AdapterError, EsftAdapter
-from sglang_eaas.protocol import control
+from sglang_eaas.holdings import Holdings
+from sglang_eaas.protocol.control import AddExperts, DropExperts, call
 from sglang_eaas.protocol.lines import ControlError, Refused
 from sglang_eaas.routing_table import RoutingTable
 
@@ -57,7 +58,7 @@ class Registered:
     name: str
     adapter: EsftAdapter
     mapping: dict[int, dict[int, int]]  # MoE layer -> base expert -> physical id
-    placed: dict[str, dict[int, list[int]]] = field(default_factory=dict)  # server -> layer
+    placed: Holdings = field(default_factory=Holdings)  # the physical ids placed, per server
 
 
 class Registrar:
@@ -107,15 +108,16 @@ class Registrar:
             for server, layers in plan.items():
                 for layer, pairs in layers.items():
                     try:
-                        control.call(server, self.token, "add_experts", self.timeout,
-                                     layer=layer, experts=[p for p, _ in pairs], adapter=name,
-                                     adapter_path=str(adapter.path),
-                                     replaces=[b for _, b in pairs])
+                        call(server, AddExperts(layer, [p for p, _ in pairs], adapter=name,
+                                                adapter_path=str(adapter.path),
+                                                replaces=[b for _, b in pairs]),
+                             self.token, self.timeout)
                     except Refused as exc:
                         if exc.reason == "adapter_slot_taken":
                             raise _Collision(str(exc)) from None
                         raise
-                    registered.placed.setdefault(server, {})[layer] = [p for p, _ in pairs]
+                    registered.placed = registered.placed.with_server(server, {
+                        **registered.placed.get(server, {}), layer: [p for p, _ in pairs]})
             self._wait_found(name, digests, mapping)
         except _Collision:
             self._drop(registered, grace=0.0)
@@ -145,7 +147,7 @@ class Registrar:
 
     @staticmethod
     def _held(table: RoutingTable, layer: int, physical: int) -> bool:
-        return any(physical in held[layer] for held in table.placement.values())
+        return physical in table.holdings.holders(layer)
 
     def _wait_found(self, name: str, digests: dict[int, dict[int, str]],
                     expected: dict[int, dict[int, int]] | None = None
@@ -178,7 +180,7 @@ class Registrar:
         table, base = self.client.table, self.info.num_experts
         mapping = {}
         for layer, bases in adapter.experts.items():
-            used = {e for held in table.placement.values() for e in held[layer] if e >= base}
+            used = {e for e in table.holdings.holders(layer) if e >= base}
             free = [p for p in range(base, base + self.slots) if p not in used]
             if len(free) < len(bases):
                 raise AdapterError(
@@ -197,7 +199,7 @@ class Registrar:
             raise AdapterError(f"{self.replicas} copies of each adapter expert were asked for "
                                f"(--eaas-esft-replicas), the tier has {len(table.servers)} "
                                "expert servers")
-        count = {(s, layer): len(table.placement[s][layer]) for s in table.servers
+        count = {(s, layer): len(table.holdings[s].get(layer, ())) for s in table.servers
                  for layer in mapping}
         plan: dict[str, dict[int, list[tuple[int, int]]]] = {}
         for layer, by_base in mapping.items():
@@ -219,9 +221,9 @@ class Registrar:
         for server, layers in registered.placed.items():
             for layer, physical in layers.items():
                 try:
-                    control.call(server, self.token, "drop_experts", self.timeout,
-                                 layer=layer, experts=physical, force=True, grace=grace)
+                    call(server, DropExperts(layer, list(physical), force=True, grace=grace),
+                         self.token, self.timeout)
                 except (TransportError, ControlError) as exc:
                     logger.warning("ESFT adapter %s: could not drop experts %s of MoE layer %d "
                                    "from %s: %s", registered.name, physical, layer, server, exc)
-        registered.placed = {}
+        registered.placed = Holdings()

@@ -30,7 +30,7 @@ class ExpertScores:
 
 
 def expert_scores(stats, moe_layers: Sequence[int], score: str) -> ExpertScores:
-    """Scores from ``stats`` (a ``train_tiny_moe.WindowStats`` of the base model over the
+    """Scores from ``stats`` (a ``training.WindowStats`` of the base model over the
     sample), whose rows are the MoE layers ``moe_layers`` in order."""
     if score not in SCORES:
         raise ValueError(f"--score must be one of {', '.join(SCORES)}, not {score!r}")

@@ -12,7 +12,7 @@ from ibgda import TransportError
 from sglang_eaas import envs, transports
 from sglang_eaas.addresses import AddressError, parse_address
 from sglang_eaas.model_info import ModelError, MoeModelInfo
-from sglang_eaas.monitor import HEARTBEAT, parse_monitor
+from sglang_eaas.membership import HEARTBEAT, parse_monitor
 from sglang_eaas.placement import PlacementError, parse_expert_list
 from sglang_eaas.protocol.slot import POLL_SPIN_US
 
@@ -179,12 +179,12 @@ def _layer_experts(specs: list[str], info: MoeModelInfo) -> dict[int, tuple[int,
 
 def drain(address: str, token: str, force: bool, timeout: float) -> int:
     """``--drain``: ask the server at ``address`` to leave, then wait until it has exited."""
-    from sglang_eaas.protocol.control import Drain
+    from sglang_eaas.protocol.control import Drain, Stats
     from sglang_eaas.protocol.lines import Channel
 
     try:
         channel = Channel(address, token)
-        clients = channel.call(Drain.op, force=force, timeout=timeout)["clients"]
+        clients = channel.call(Drain(force, timeout)).clients
     except TransportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -192,7 +192,7 @@ def drain(address: str, token: str, force: bool, timeout: float) -> int:
     deadline = time.monotonic() + timeout + 30
     try:
         while time.monotonic() < deadline:  # its connections close when it exits
-            channel.call("stats")
+            channel.call(Stats())
             time.sleep(0.2)
         print(f"error: expert server {address} is still up after {timeout + 30:.0f}s",
               file=sys.stderr)
@@ -227,11 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     held = (f"experts {list(config.experts)}" if not config.layer_experts else
-            f"experts per MoE layer {server.holdings}")
+            f"experts per MoE layer {server.held.holdings}")
     print(f"sglang-eaas expert server ready on {server.address}: {held} of "
           f"{server.info.num_experts}, "
           f"{len(server.info.moe_layers)} MoE layers, "
-          f"{server.weight_bytes() / 2**20:.1f} MiB of weights"
+          f"{server.held.weight_bytes() / 2**20:.1f} MiB of weights"
           + (f", registered with {config.monitor}" if config.monitor else ""), flush=True)
     try:
         server.serve_forever()

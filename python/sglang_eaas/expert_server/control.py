@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 from sglang_eaas.endpoint import LineEndpoint
 from sglang_eaas.expert_server.replicas import weights_chunk
 from sglang_eaas.protocol.control import (
-    OPS, SLOTS_PER_CONNECTION, AddExperts, Drain, DropExperts, ExpertWeights, JoinRequest,
+    OPS, SLOTS_PER_CONNECTION, AddExperts, Drain, Drained, DropExperts, ExpertWeights,
+    JoinRequest,
 )
-from sglang_eaas.protocol.lines import ControlError
+from sglang_eaas.protocol.lines import ControlError, Done, Message
 
 if TYPE_CHECKING:
     from sglang_eaas.expert_server.server import ExpertServer, Membership
@@ -39,7 +40,7 @@ class ControlSession:
         self.members: list[Membership] = []
         self.closing = False
 
-    def handle(self, op: str, message: dict[str, Any]) -> dict[str, Any]:
+    def handle(self, op: str, message: dict[str, Any]) -> Message:
         if op == "join":
             request = JoinRequest.from_message(message)  # a malformed join is that, first
             if self.members and not self.members[-1].active:
@@ -51,25 +52,25 @@ class ControlSession:
                 raise ControlError("out_of_order", "one connection's slots are one client's")
             reply, member = self.server.join(request, self.connection)
             self.members.append(member)
-            return reply.to_message()
+            return reply
         if op == "ready":
             if not self.members or self.members[-1].active:
                 raise ControlError("out_of_order", "'ready' must follow one 'join'")
             self.members[-1].activate()
-            return {}
+            return Done()
         if op == "stats":
-            return {"stats": self.server.stats_message()}
+            return self.server.stats_record()
         if op == "drain":
-            return {"clients": self.server.drain(Drain.from_message(message))}
+            return Drained(self.server.drain(Drain.from_message(message)))
         if op == "add_experts":
-            return self.server.replicas.add(AddExperts.from_message(message)).to_message()
+            return self.server.replicas.add(AddExperts.from_message(message))
         if op == "drop_experts":
-            return self.server.replicas.drop(DropExperts.from_message(message)).to_message()
+            return self.server.replicas.drop(DropExperts.from_message(message))
         if op == "expert_weights":
-            return weights_chunk(self.server, ExpertWeights.from_message(message)).to_message()
+            return weights_chunk(self.server, ExpertWeights.from_message(message))
         self.closing = True  # leave
         self.close()
-        return {}
+        return Done()
 
     def close(self) -> None:
         members, self.members = self.members, []

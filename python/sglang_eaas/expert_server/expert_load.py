@@ -5,7 +5,7 @@ The kernel adds each layer call's entries and times straight into a ``[2, E_loca
 the layer's current experts (``of``: ``compute.weighted_expert_sum``'s ``expert_load``), so
 recording costs the serving loop no Python work per call. When the layer's experts change
 (added or dropped while serving) that tensor is folded into totals by global expert id and a
-new one begins. ``stats`` shows the totals per expert (``message``), the heartbeat per layer
+new one begins. ``stats`` shows the totals per expert (``per_expert``), the heartbeat per layer
 (``summary``).
 """
 
@@ -68,13 +68,13 @@ class ExpertLoad:
                 totals[layer][:, current.ids] += current.load.numpy()
         return totals
 
-    def message(self) -> dict[str, dict[str, list[int]]]:
-        """``{layer: {expert: [tokens, ns]}}`` (as strings: JSON keys), experts with any."""
+    def per_expert(self) -> dict[int, dict[int, tuple[int, int]]]:
+        """``{layer: {expert: (tokens, ns)}}``, experts with any."""
         out = {}
         for layer, totals in self._totals().items():
             experts = np.flatnonzero(totals.any(axis=0)).tolist()
             if experts:
-                out[str(layer)] = {str(e): totals[:, e].tolist() for e in experts}
+                out[layer] = {e: (int(totals[0, e]), int(totals[1, e])) for e in experts}
         return out
 
     def summary(self) -> dict[str, list[int]]:

@@ -24,12 +24,13 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ibgda import TransportError
+from sglang_eaas.esft.adapter import AdapterError, load_adapter
 from sglang_eaas.expert_server.experts import load_experts, with_experts, without_experts
+from sglang_eaas.holdings import AdapterExpert
 from sglang_eaas.protocol.control import (
-    WEIGHT_CHUNK, WEIGHT_TENSORS, AddExperts, DropExperts, ExpertWeights, HoldingsChange,
-    WeightsChunk,
+    WEIGHT_CHUNK, WEIGHT_TENSORS, AddExperts, DropExperts, ExpertWeights, HoldingsChange, Stats,
+    WeightsChunk, call,
 )
-from sglang_eaas.protocol.control import call as control_call
 from sglang_eaas.protocol.lines import Channel, ControlError
 from sglang_eaas.protocol.slot import DTYPE_NAMES, DTYPES_BY_NAME
 
@@ -42,13 +43,11 @@ RETIRE_POLL = 0.05  # seconds between looks at which dropped experts went quiet
 
 
 class Replicas:
-    """One server's holdings changes (one at a time)."""
+    """One server's holdings changes (one at a time), made on its ``HeldExperts``."""
 
     def __init__(self, server: "ExpertServer"):
-        self.server = server
+        self.server, self.held = server, server.held
         self._change = threading.Lock()  # one add or drop at a time
-        self._retiring_lock = threading.Lock()
-        self.retiring: dict[int, dict[int, float]] = {}  # layer -> expert -> last request at
         self._retirer: threading.Thread | None = None
 
     # -- add --------------------------------------------------------------------------------
@@ -57,35 +56,32 @@ class Replicas:
             return self.add_adapter(request)
         if any(e >= self.server.info.num_experts for e in request.experts):
             return self.add_described(request)
-        s = self.server
+        held = self.held
         layer = request.layer
         self._check_layer(layer, request.experts)
         with self._change:
-            advertised = set(s.holdings.get(layer, ()))
-            with self._retiring_lock:
-                back = [e for e in request.experts if e in self.retiring.get(layer, {})]
-                for e in back:  # still loaded: held again without a copy
-                    del self.retiring[layer][e]
+            advertised = set(held.holdings.get(layer, ()))
+            back = held.keep(layer, request.experts)  # still loaded: held again without a copy
             new = [e for e in request.experts if e not in advertised and e not in back]
             from_peer, from_disk = [], []
             if new:
-                digests = s.digests_of(new)
+                digests = held.digests_of(new)
 
                 def disk() -> tuple[torch.Tensor, torch.Tensor]:
-                    loaded = load_experts(s.config.model_path, s.info, {layer: new}, s.dtype)
+                    loaded = load_experts(held.model_path, held.info, {layer: new}, held.dtype)
                     return loaded[layer].w13, loaded[layer].w2
 
                 w13, w2, from_peer, from_disk = self._weights(
-                    layer, new, request.source, digests, disk, s.config.model_path)
-                s.swap_layer(layer, with_experts(s.layers.get(layer), new, w13, w2,
-                                                 s.info.num_experts))
-                s.digests = digests
-            s.set_holdings(layer, sorted(advertised | set(request.experts)))
-            s.stats["replicas_added"] += len(new) + len(back)
+                    layer, new, request.source, digests, disk, held.model_path)
+                held.swap_layer(layer, with_experts(held.layers.get(layer), new, w13, w2,
+                                                    held.info.num_experts))
+                held.learn_digests(digests)
+            held.say_held(layer, sorted(advertised | set(request.experts)))
+            held.count("replicas_added", len(new) + len(back))
             logger.info("MoE layer %d: now holding experts %s too (%d from peer %s, %d from "
                         "disk, %d kept)", layer, sorted(request.experts), len(from_peer),
                         request.source or "-", len(from_disk), len(back))
-            return HoldingsChange(s.holdings[layer], from_peer, from_disk)
+            return HoldingsChange(list(held.holdings[layer]), from_peer, from_disk)
 
     def add_adapter(self, request: AddExperts) -> HoldingsChange:
         """Hold ESFT adapter experts: physical ids ``request.experts`` (past the model's
@@ -93,9 +89,7 @@ class Replicas:
         weights come from the peer ``source`` if it holds the same ones, else from the
         adapter's files. A physical id this server holds for another adapter expert is
         refused; one still retiring (an unloaded adapter's) is freed first."""
-        from sglang_eaas.esft.adapter import AdapterError, load_adapter
-
-        s, layer, info = self.server, request.layer, self.server.info
+        held, layer, info = self.held, request.layer, self.held.info
         self._check_layer(layer, request.experts, physical=True)
         low = [p for p in request.experts if p < info.num_experts]
         bad = [b for b in request.replaces if b >= info.num_experts]
@@ -112,71 +106,65 @@ class Replicas:
             raise ControlError("bad_adapter", f"adapter {request.adapter} does not replace "
                                f"experts {unknown} of MoE layer {layer}")
         digest = adapter.digests(info, {layer: request.replaces}).get(layer, {})
-        wanted = {p: (request.adapter, b, digest[b])
+        wanted = {p: AdapterExpert(request.adapter, b, digest[b])
                   for p, b in zip(request.experts, request.replaces)}
         with self._change:
-            advertised = set(s.holdings.get(layer, ()))
-            have = s.adapter_experts.get(layer, {})
+            advertised = set(held.holdings.get(layer, ()))
+            have = held.holdings.adapters.get(layer, {})
             taken = [p for p in wanted if p in advertised and have.get(p) != wanted[p]]
             if taken:
                 raise ControlError("adapter_slot_taken", (
-                    f"expert server {s.address} holds other experts under physical ids "
-                    f"{taken} of MoE layer {layer}"))
+                    f"expert server {self.server.address} holds other experts under physical "
+                    f"ids {taken} of MoE layer {layer}"))
             new = [p for p in wanted if p not in advertised]
-            with self._retiring_lock:
-                stale = [p for p in new if p in self.retiring.get(layer, {})]
-                for p in stale:
-                    del self.retiring[layer][p]
+            stale = held.keep(layer, new)
             if stale:  # an unloaded adapter's rows, still retiring: other weights now
-                s.swap_layer(layer, without_experts(s.layers[layer], stale))
+                held.swap_layer(layer, without_experts(held.layers[layer], stale))
             from_peer, from_disk = [], []
             if new:
-                bases = [wanted[p][1] for p in new]
+                bases = [wanted[p].base for p in new]
                 w13, w2, from_peer, from_disk = self._weights(
-                    layer, new, request.source, {p: wanted[p][2] for p in new},
-                    lambda: adapter.load_weights(info, layer, bases, s.dtype),
+                    layer, new, request.source, {p: wanted[p].digest for p in new},
+                    lambda: adapter.load_weights(info, layer, bases, held.dtype),
                     request.adapter_path, adapter=True)
-                s.swap_layer(layer, with_experts(s.layers.get(layer), new, w13, w2,
-                                                 info.num_experts))
-            s.adapter_paths[request.adapter] = request.adapter_path
-            s.set_holdings(layer, sorted(advertised | set(wanted)),
-                           {p: wanted[p] for p in wanted})
-            s.stats["adapter_experts_added"] += len(new)
+                held.swap_layer(layer, with_experts(held.layers.get(layer), new, w13, w2,
+                                                    info.num_experts))
+            held.adapter_from(request.adapter, request.adapter_path)
+            held.say_held(layer, sorted(advertised | set(wanted)), wanted)
+            held.count("adapter_experts_added", len(new))
             logger.info("MoE layer %d: now holding adapter %s's experts %s as %s (%d from peer "
                         "%s, %d from disk)", layer, request.adapter, request.replaces,
                         request.experts, len(from_peer), request.source or "-", len(from_disk))
-            return HoldingsChange(s.holdings[layer], from_peer, from_disk)
+            return HoldingsChange(list(held.holdings[layer]), from_peer, from_disk)
 
     def add_described(self, request: AddExperts) -> HoldingsChange:
         """Copies of adapter experts (physical ids) that the peer ``source`` holds: what they
         are (adapter, its directory, base expert) comes from the peer's ``stats``, so they can
         be replicated and moved like the model's experts, given a holder."""
-        info, layer = self.server.info, request.layer
+        info, layer = self.held.info, request.layer
         if any(e < info.num_experts for e in request.experts) or not request.source:
             raise ControlError("bad_field", (
                 f"experts {[e for e in request.experts if e >= info.num_experts]} do not exist "
                 f"in the model (it has {info.num_experts}); adapter experts' physical ids are "
                 "added from a peer that holds them (source), apart from the model's own"))
         try:
-            stats = control_call(request.source, self.server.config.token, "stats",
-                                 FETCH_TIMEOUT)["stats"]
+            stats = call(request.source, Stats(), self.server.config.token, FETCH_TIMEOUT)
         except TransportError as exc:
             raise ControlError("bad_field", f"cannot ask {request.source} what experts "
                                f"{request.experts} are: {exc}") from None
-        described = stats.get("adapter_experts", {}).get(str(layer), {})
-        unknown = [e for e in request.experts if str(e) not in described]
+        described = stats.holdings.adapters.get(layer, {})
+        unknown = [e for e in request.experts if e not in described]
         if unknown:
             raise ControlError("bad_field", f"{request.source} holds no adapter expert "
                                f"{unknown} in MoE layer {layer}")
         by_adapter: dict[str, list[int]] = {}
         for e in request.experts:
-            by_adapter.setdefault(described[str(e)][0], []).append(e)
+            by_adapter.setdefault(described[e].adapter, []).append(e)
         change = None
         for name, physical in by_adapter.items():
-            path = stats.get("adapter_paths", {}).get(name, "")
             added = self.add_adapter(AddExperts(
-                layer, physical, request.source, name, path,
-                [described[str(e)][1] for e in physical]))
+                layer, physical, request.source, name, stats.adapter_paths.get(name, ""),
+                [described[e].base for e in physical]))
             change = added if change is None else HoldingsChange(
                 added.layer_experts, change.from_peer + added.from_peer,
                 change.from_disk + added.from_disk)
@@ -190,14 +178,13 @@ class Replicas:
         peer ``source`` (``digests``: this server's digest of each, the peer's must match;
         ``adapter``: adapter experts by physical id), else ``from_disk()`` (reading ``disk``).
         Also which came from the peer and which from disk."""
-        s = self.server
         if source:
             try:
-                w13, w2 = fetch_from_peer(source, s.config.token, layer, experts, digests,
-                                          s.dtype, adapter=adapter)
+                w13, w2 = fetch_from_peer(source, self.server.config.token, layer, experts,
+                                          digests, self.held.dtype, adapter=adapter)
                 return w13, w2, list(experts), []
             except (TransportError, ControlError, ValueError) as exc:
-                s.stats["replica_fetch_fallbacks"] += 1
+                self.held.count("replica_fetch_fallbacks")
                 logger.warning("MoE layer %d: could not read experts %s from %s (%s); reading "
                                "them from %s", layer, experts, source, exc, disk)
         w13, w2 = from_disk()
@@ -205,7 +192,7 @@ class Replicas:
 
     # -- drop -------------------------------------------------------------------------------
     def drop(self, request: DropExperts) -> HoldingsChange:
-        s = self.server
+        s, held = self.server, self.held
         layer = request.layer
         self._check_layer(layer, request.experts, physical=True)
         if s.tier is None:
@@ -213,7 +200,7 @@ class Replicas:
                 f"expert server {s.address} has no monitor, so its clients would not learn "
                 "that it stops holding these experts; start it with --monitor"))
         with self._change:
-            advertised = set(s.holdings.get(layer, ()))
+            advertised = set(held.holdings.get(layer, ()))
             unknown = sorted(set(request.experts) - advertised)
             if unknown:
                 raise ControlError("drop_not_held", (
@@ -222,57 +209,34 @@ class Replicas:
             if not request.force:
                 s.tier.check_covered({layer: request.experts}, "drop_uncovered",
                                      "drop with force")
-            s.set_holdings(layer, sorted(advertised - set(request.experts)))
-            now = time.monotonic()
-            with self._retiring_lock:
-                self.retiring.setdefault(layer, {}).update({e: now for e in request.experts})
-                if self._retirer is None or not self._retirer.is_alive():
-                    self._retirer = threading.Thread(target=self._retire, args=(request.grace,),
-                                                     name="eaas-retire", daemon=True)
-                    self._retirer.start()
-            s.stats["replicas_dropped"] += len(request.experts)
+            held.say_held(layer, sorted(advertised - set(request.experts)))
+            held.retire(layer, request.experts)
+            if self._retirer is None or not self._retirer.is_alive():
+                self._retirer = threading.Thread(target=self._retire, args=(request.grace,),
+                                                 name="eaas-retire", daemon=True)
+                self._retirer.start()
+            held.count("replicas_dropped", len(request.experts))
             logger.info("MoE layer %d: no longer holding experts %s (their weights go once no "
                         "request used them for %gs)", layer, sorted(request.experts),
                         request.grace)
-            return HoldingsChange(s.holdings.get(layer, []))
-
-    def used(self, layer: int, ids: torch.Tensor) -> None:
-        """The serving loop saw a request of ``layer`` with ``ids``: a retiring expert among
-        them is not quiet yet."""
-        retiring = self.retiring.get(layer)
-        if retiring:
-            present = set(torch.unique(ids).tolist())
-            now = time.monotonic()
-            with self._retiring_lock:
-                for e in list(retiring):
-                    if e in present:
-                        retiring[e] = now
+            return HoldingsChange(list(held.holdings.get(layer, ())))
 
     def _retire(self, grace: float) -> None:
         """Free the rows of every retiring expert that went quiet for ``grace`` seconds."""
-        s = self.server
+        held = self.held
         while True:
             time.sleep(RETIRE_POLL)
             with self._change:
-                with self._retiring_lock:
-                    now = time.monotonic()
-                    quiet = {layer: [e for e, at in experts.items() if now - at >= grace]
-                             for layer, experts in self.retiring.items()}
-                    quiet = {layer: ids for layer, ids in quiet.items() if ids}
-                    for layer, ids in quiet.items():
-                        for e in ids:
-                            del self.retiring[layer][e]
-                    self.retiring = {k: v for k, v in self.retiring.items() if v}
-                    done = not self.retiring
+                quiet, done = held.quiet(grace)
                 for layer, ids in quiet.items():
-                    s.swap_layer(layer, without_experts(s.layers[layer], ids))
+                    held.swap_layer(layer, without_experts(held.layers[layer], ids))
                     logger.info("MoE layer %d: freed the weights of experts %s", layer, ids)
             if done:
                 return
 
     def _check_layer(self, layer: int, experts: list[int], physical: bool = False) -> None:
         """``physical``: ids past the model's experts (adapter experts) may be named."""
-        info = self.server.info
+        info = self.held.info
         if layer not in info.moe_layers:
             raise ControlError("bad_field", f"layer {layer} is not a MoE layer of this model "
                                f"(those are {list(info.moe_layers)})")
@@ -285,10 +249,11 @@ class Replicas:
 # -- a peer's weights -----------------------------------------------------------------------
 def weights_chunk(server: "ExpertServer", request: ExpertWeights) -> WeightsChunk:
     """The peer's side of ``fetch_from_peer``: one chunk of one held expert's tensor."""
-    layer = server.layers.get(request.layer)
+    held = server.held
+    layer = held.layers.get(request.layer)
     row = -1 if layer is None or request.expert >= layer.local_index.numel() else int(
         layer.local_index[request.expert])
-    if row < 0 or request.expert not in server.holdings.get(request.layer, ()):
+    if row < 0 or request.expert not in held.holdings.get(request.layer, ()):
         raise ControlError("weights_not_held", f"expert server {server.address} does not hold "
                            f"expert {request.expert} of MoE layer {request.layer}")
     tensor = getattr(layer, request.tensor)[row]  # a view: this layer object stays whole
@@ -312,11 +277,10 @@ def fetch_from_peer(source: str, token: str, layer: int, experts: list[int],
     what came is not these experts' weights (another checkpoint, or damaged in transit)."""
     channel = Channel(source, token, FETCH_TIMEOUT)
     try:
-        stats = channel.call("stats")["stats"]
-        theirs = ({p: v[2] for p, v in stats.get("adapter_experts", {}).get(str(layer),
-                                                                           {}).items()}
-                  if adapter else stats.get("expert_digests", {}))
-        differ = [e for e in experts if theirs.get(str(e)) != digests[e]]
+        stats = channel.call(Stats())
+        theirs = ({p: d.digest for p, d in stats.holdings.adapters.get(layer, {}).items()}
+                  if adapter else stats.expert_digests)
+        differ = [e for e in experts if theirs.get(e) != digests[e]]
         if differ:
             raise ValueError(f"{source} holds other weights for experts {differ}")
         tensors = {name: [] for name in WEIGHT_TENSORS}
@@ -329,14 +293,12 @@ def fetch_from_peer(source: str, token: str, layer: int, experts: list[int],
 
 
 def _fetch_tensor(channel: Channel, layer: int, expert: int, name: str) -> torch.Tensor:
-    first = WeightsChunk.from_message(channel.call("expert_weights", layer=layer,
-                                                   expert=expert, tensor=name, offset=0))
+    first = channel.call(ExpertWeights(layer, expert, name, 0))
     parts = [base64.b64decode(first.data)]
     got = len(parts[0])
     while got < first.total:
-        chunk = channel.call("expert_weights", layer=layer, expert=expert, tensor=name,
-                             offset=got)
-        parts.append(base64.b64decode(chunk["data"]))
+        chunk = channel.call(ExpertWeights(layer, expert, name, got))
+        parts.append(base64.b64decode(chunk.data))
         if not parts[-1]:
             raise ValueError(f"expert {expert}'s {name} ended at {got} of {first.total} bytes")
         got += len(parts[-1])

@@ -20,14 +20,14 @@ from sglang_eaas import transports
 from sglang_eaas.expert_server.compute import local_experts, weighted_expert_sum
 from sglang_eaas.expert_server.control import control_endpoint
 from sglang_eaas.expert_server.expert_load import ExpertLoad
+from sglang_eaas.expert_server.held import HeldExperts
 from sglang_eaas.expert_server.replicas import Replicas
-from sglang_eaas.checkpoint import expert_digests
-from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
+from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.monitor import HEARTBEAT
+from sglang_eaas.membership import HEARTBEAT
 from sglang_eaas.protocol import ProtocolError, RegionLayout, SlotLayout, SlotState
 from sglang_eaas.protocol.header import HeaderError, RejectReason, RequestHeader
-from sglang_eaas.protocol.control import Drain, JoinReply, JoinRequest
+from sglang_eaas.protocol.control import Drain, JoinReply, JoinRequest, ServerStats
 from sglang_eaas.protocol.lines import ControlError, shown
 from sglang_eaas.protocol.slot import (
     DTYPE_CODES, DTYPES_BY_NAME, POLL_SPIN_US, ServerSlot, dtype_name,
@@ -57,9 +57,10 @@ class ExpertServerConfig:
     kernel: str = "fast"  # the expert math: "fast" (C++ grouped kernel) or "reference" (compute)
     shrink: bool = True  # fast kernel: walk only the active experts (False: all, an ablation)
 
-    def holdings(self, moe_layers: tuple[int, ...]) -> dict[int, list[int]]:
+    def holdings(self, moe_layers: tuple[int, ...]) -> ServerHoldings:
         """Which experts this server holds in each MoE layer (possibly none in some)."""
-        return {layer: sorted(self.layer_experts.get(layer, self.experts)) for layer in moe_layers}
+        return ServerHoldings({layer: self.layer_experts.get(layer, self.experts)
+                               for layer in moe_layers})
 
 
 @dataclass
@@ -83,14 +84,8 @@ class ExpertServer:
         self.info = MoeModelInfo.from_model_path(config.model_path)
         self.dtype = DTYPES_BY_NAME[dtype_name(
             self.info.dtype if config.dtype == "auto" else config.dtype)]
-        self.holdings = config.holdings(self.info.moe_layers)
-        self.experts = sorted({e for ids in self.holdings.values() for e in ids})  # any layer
-        self.digests = expert_digests(config.model_path, self.info, self.experts)
-        # ESFT adapter experts held: MoE layer -> physical id -> (adapter, base expert, digest)
-        self.adapter_experts: dict[int, dict[int, tuple[str, int, str]]] = {}
-        self.adapter_paths: dict[str, str] = {}  # adapter -> its directory (for copies)
-        self.layers: dict[int, LayerExperts] = load_experts(
-            config.model_path, self.info, self.holdings, self.dtype)
+        self.held = HeldExperts(config.model_path, self.info,
+                                config.holdings(self.info.moe_layers), self.dtype, self._announce)
         self.region_layout = RegionLayout.for_requests(
             config.max_clients, config.max_tokens, self.info.hidden_size, self.info.top_k)
         self.transport = transports.create_server_transport(
@@ -114,16 +109,15 @@ class ExpertServer:
         self.tick = time.monotonic()  # the serving loop's last pass (``healthy``)
         self.tier = None  # expert_server.tier.ServerTier once registered with a monitor
         self.replicas = Replicas(self)  # holdings changed while serving
-        self._swaps: dict[int, LayerExperts | None] = {}  # applied by the loop between batches
-        self._swapped = threading.Condition()
-        self._looping = False  # serve_forever runs (else a swap applies at once)
 
     @property
     def address(self) -> str:
         return self.control.address
 
-    def weight_bytes(self) -> int:
-        return weight_bytes(self.layers)
+    def _announce(self, holdings: ServerHoldings) -> None:
+        """What it holds changed: tell the monitor (its clients then change their tables)."""
+        if self.tier is not None:
+            self.tier.presence.set_holdings(holdings)
 
     # -- control plane -------------------------------------------------------------------
     def join(self, request: JoinRequest, connection: Any = None
@@ -141,7 +135,7 @@ class ExpertServer:
         if len(request.expert_digests) != self.info.num_experts:
             raise ControlError("bad_field", f"expert_digests must have one entry per expert "
                                f"({self.info.num_experts}), got {len(request.expert_digests)}")
-        differ = [e for e, d in self.digests.items() if request.expert_digests[e] != d]
+        differ = [e for e, d in self.held.digests.items() if request.expert_digests[e] != d]
         if differ:
             raise ControlError("join_other_weights", (
                 f"expert server {self.address} holds other weights for experts {differ} than "
@@ -175,77 +169,22 @@ class ExpertServer:
             self._members[index] = member  # reserved: not polled until 'ready'
         reply = JoinReply(slot=index, region=self.region.handle.to_dict(), base=slot.base,
                           bell=self.region_layout.bell, layout=layout,
-                          experts=self.experts, layer_experts=self.holdings,
-                          moe_layers=list(self.info.moe_layers), first_seq=first_seq,
-                          adapter_experts=self.adapter_experts_message())
+                          holdings=self.held.holdings, moe_layers=list(self.info.moe_layers),
+                          first_seq=first_seq)
         return reply, member
 
-    def layer_experts_message(self) -> dict[str, list[int]]:
-        return {str(layer): ids for layer, ids in self.holdings.items()}
-
-    def adapter_experts_message(self) -> dict[str, dict[str, list]]:
-        """``Member.adapter_experts``'s form of ``adapter_experts``."""
-        return {str(layer): {str(p): list(v) for p, v in sorted(experts.items())}
-                for layer, experts in sorted(self.adapter_experts.items()) if experts}
-
-    # -- holdings changed while serving (expert_server/replicas.py) -------------------------
-    def swap_layer(self, layer: int, experts: LayerExperts | None) -> None:
-        """Serve ``layer`` with ``experts`` (None: no rows left) from the serving loop's next
-        pass on, between two batches: a request is computed with the rows it was checked
-        against. Returns once swapped."""
-        with self._swapped:
-            self._swaps[layer] = experts
-            if not self._looping:
-                self._apply_swaps()
-            elif not self._swapped.wait_for(lambda: layer not in self._swaps, timeout=30.0):
-                raise ControlError("busy", f"the serving loop did not take MoE layer {layer}'s "
-                                   "new experts within 30s")
-
-    def _apply_swaps(self) -> None:
-        """Under ``_swapped``: the staged layers replace the served ones (a new dict)."""
-        layers = dict(self.layers)
-        for layer, experts in self._swaps.items():
-            if experts is None:
-                layers.pop(layer, None)
-            else:
-                layers[layer] = experts
-        self.layers, self._swaps = layers, {}
-        self._swapped.notify_all()
-
-    def set_holdings(self, layer: int, experts: list[int],
-                     adapter_experts: dict[int, tuple[str, int, str]] | None = None) -> None:
-        """Say that this server holds ``experts`` in ``layer`` (of which ``adapter_experts``
-        are ESFT adapter experts, added to those it had): to joining clients, in ``stats``,
-        and to the monitor (whose clients then change their tables)."""
-        held = set(experts)
-        adapters = {**self.adapter_experts.get(layer, {}), **(adapter_experts or {})}
-        self.adapter_experts = {**self.adapter_experts,
-                                layer: {p: v for p, v in adapters.items() if p in held}}
-        self.holdings = {**self.holdings, layer: sorted(experts)}
-        self.experts = sorted({e for ids in self.holdings.values() for e in ids})
-        if self.tier is not None:
-            self.tier.presence.set_holdings(self.layer_experts_message(),
-                                            self.adapter_experts_message())
-
-    def digests_of(self, experts: list[int]) -> dict[int, str]:
-        """This server's expert digests with those of ``experts`` too (from the checkpoint,
-        for experts it does not hold yet)."""
-        missing = [e for e in experts if e not in self.digests]
-        return {**self.digests, **(expert_digests(self.config.model_path, self.info, missing)
-                                   if missing else {})}
-
-    def stats_message(self) -> dict[str, Any]:
-        return {**self.stats, "weight_bytes": self.weight_bytes(),
-                "fingerprint": self.info.fingerprint(), "pid": os.getpid(),
-                "expert_digests": {str(e): d for e, d in self.digests.items()},
-                "experts": self.experts, "layer_experts": self.layer_experts_message(),
-                "adapter_experts": self.adapter_experts_message(),
-                "adapter_paths": dict(self.adapter_paths),
-                "num_experts": self.info.num_experts,
-                "clients": self.client_count(), "slots": len(self._active),
-                "expert_load": self.expert_load.message(),
-                **self.control.counters(),
-                **({} if self.tier is None else self.tier.counters())}
+    def stats_record(self) -> ServerStats:
+        held, control = self.held, self.control.counters()
+        return ServerStats(
+            fingerprint=self.info.fingerprint(), pid=os.getpid(),
+            num_experts=self.info.num_experts, weight_bytes=held.weight_bytes(),
+            expert_digests=dict(held.digests), holdings=held.holdings,
+            adapter_paths=dict(held.adapter_paths), clients=self.client_count(),
+            slots=len(self._active), expert_load=self.expert_load.per_expert(),
+            control_refused=control["control_refused"],
+            refused_connections=control["refused_connections"],
+            counters={**self.stats, **held.counters},
+            **({} if self.tier is None else self.tier.counters()))
 
     def load(self) -> dict[str, Any]:
         """What the heartbeat tells the monitor (``status`` shows it); ``expert_load``: per
@@ -309,15 +248,14 @@ class ExpertServer:
                     continue  # its client left; the next pass sees the new one
                 try:
                     header, hidden, ids, weights = slot.request()
-                    layer = self.layers.get(header.layer_id)
+                    layer = self.held.layers.get(header.layer_id)
                     if layer is None:
                         raise HeaderError(RejectReason.UNKNOWN_LAYER, f"layer {header.layer_id}")
                     try:
                         local = local_experts(layer, ids)
                     except ValueError as exc:
                         raise HeaderError(RejectReason.FOREIGN_EXPERT, str(exc)) from None
-                    if self.replicas.retiring:
-                        self.replicas.used(header.layer_id, ids)
+                    self.held.used(header.layer_id, ids)
                     ready.append(_Ready(index, slot, header, hidden, local, weights))
                 except HeaderError as exc:
                     self.stats[f"rejected_{exc.reason.name.lower()}"] += 1
@@ -353,7 +291,7 @@ class ExpertServer:
             by_layer[r.header.layer_id].append(r)
         for layer_id, requests in by_layer.items():
             try:
-                layer = self.layers[layer_id]
+                layer = self.held.layers[layer_id]
                 out = weighted_expert_sum(
                     layer, _cat([r.hidden.to(self.dtype) for r in requests]),
                     _cat([r.local_experts for r in requests]),
@@ -377,9 +315,7 @@ class ExpertServer:
 
     def poll_once(self) -> int:
         """Serve what is ready now (waiting up to ``max_wait_us`` for a minimum batch)."""
-        if self._swaps:
-            with self._swapped:
-                self._apply_swaps()
+        self.held.apply_swaps()
         batch = self._collect()
         if not batch:
             return 0
@@ -406,7 +342,7 @@ class ExpertServer:
             self.start()
         bell, spin = self.region_layout.bell, self.config.poll_spin_us * 1e-6
         busy_until = 0.0
-        self._looping = True
+        self.held.serving(True)
         while not self._stop.is_set():
             self.tick = time.monotonic()
             seen = self.region.load_word(bell)
@@ -415,9 +351,7 @@ class ExpertServer:
             else:
                 # Sleeps bounded, so that stop() and clients that cannot ring are noticed.
                 self.region.idle(bell, seen, busy_until, 0.01)
-        with self._swapped:
-            self._looping = False
-            self._apply_swaps()
+        self.held.serving(False)
 
     def stop(self) -> None:
         self._stop.set()

@@ -16,11 +16,11 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ibgda import TransportError
-from sglang_eaas.monitor import connect
-from sglang_eaas.monitor.presence import Presence
+from sglang_eaas.membership import connect
+from sglang_eaas.membership.presence import Presence
 from sglang_eaas.protocol.lines import ControlError
 from sglang_eaas.protocol.monitor import CLIENT, DRAINING, SERVER, SERVING, Member
 
@@ -38,8 +38,7 @@ class ServerTier:
         self.backend = connect(config.monitor, config.token)  # watching
         member = Member(SERVER, server.address, socket.gethostname(), os.getpid(),
                         fingerprint=server.info.fingerprint(),
-                        num_experts=server.info.num_experts,
-                        layer_experts=server.layer_experts_message())
+                        num_experts=server.info.num_experts, holdings=server.held.holdings)
         self.presence = Presence(connect(config.monitor, config.token), member,
                                  config.heartbeat, load=server.load, healthy=server.healthy)
         self.draining = False
@@ -82,14 +81,15 @@ class ServerTier:
         if self.draining:
             return
         if not force:
-            self.check_covered(self.server.holdings, "drain_uncovered", "drain with force")
+            self.check_covered(self.server.held.holdings, "drain_uncovered", "drain with force")
         self.draining = True
         self.presence.set_status(DRAINING)
         logger.info("draining: clients stop sending here at their next step")
         threading.Thread(target=self._finish_drain, args=(timeout,), name="eaas-drain",
                          daemon=True).start()
 
-    def check_covered(self, leaving: dict[int, list[int]], reason: str, forced: str) -> None:
+    def check_covered(self, leaving: Mapping[int, Sequence[int]], reason: str,
+                      forced: str) -> None:
         """``ControlError(reason)`` unless another live server holds each of ``leaving``'s
         experts (per MoE layer); ``forced`` names the way to do it anyway."""
         probe = connect(self.url, self.token)
@@ -98,11 +98,10 @@ class ServerTier:
         finally:
             probe.close()
         me = self.server
-        others = [m for m in snapshot.servers(me.info.fingerprint())
-                  if m.id != me.address and m.status == SERVING]
+        others = snapshot.holdings(me.info.fingerprint()).without(me.address)
         for layer, experts in leaving.items():
-            alone = [e for e in experts
-                     if not any(e in m.holdings().get(layer, ()) for m in others)]
+            held = others.holders(layer)
+            alone = [e for e in experts if e not in held]
             if alone:
                 raise ControlError(reason, (
                     f"expert server {me.address} is the last live holder of experts {alone} in "
@@ -111,9 +110,9 @@ class ServerTier:
 
     def _finish_drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while self.server.load()["clients"] and time.monotonic() < deadline:
+        while self.server.client_count() and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = self.server.load()["clients"]
+        left = self.server.client_count()
         if left:
             logger.warning("drain: %d clients still joined after %.0fs; exiting anyway", left,
                            timeout)

@@ -11,9 +11,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import Mapping
+
 from ibgda import TransportError
+from sglang_eaas.addresses import free_port
 from sglang_eaas.placement import PlacedExperts
-from sglang_eaas.tools.server_process import free_port
 
 _PR_SET_PDEATHSIG = 1
 
@@ -39,9 +41,10 @@ class LocalServer:
 
 
 def expert_args(experts: PlacedExperts) -> list[str]:
-    """The expert server's flags for a placement entry: ``--experts`` for the same experts in
-    every layer, one ``--layer-experts LAYER=IDS`` per layer otherwise."""
-    if not isinstance(experts, dict):
+    """The expert server's flags for a placement entry: ``--experts`` for a list (the same
+    experts in every layer), one ``--layer-experts LAYER=IDS`` per layer for a map of layers
+    (a layer it does not name: none there)."""
+    if not isinstance(experts, Mapping):
         return ["--experts", ",".join(map(str, experts))]
     return [arg for layer, ids in sorted(experts.items())
             for arg in ("--layer-experts", f"{layer}={','.join(map(str, ids)) or 'none'}")]

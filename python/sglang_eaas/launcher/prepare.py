@@ -1,14 +1,16 @@
 """Before SGLang starts its workers: find or start the expert servers and check the placement.
 
 Runs in the launcher process (AROUND ``Engine._launch_subprocesses``), so a server that cannot
-start, an unreachable server, an expert without a server or a server holding another model stops
-the launch with one clear error before any scheduler exists. Workers then receive the concrete
-server addresses in ``ServerArgs._eaas`` and join the servers themselves.
+start, an unreachable server or monitor, an expert without a server or a server holding another
+model stops the launch with one sentence and exit status 1 before any scheduler exists (no
+traceback: ``launch_subprocesses``). Workers then receive the concrete server addresses in
+``ServerArgs._eaas`` and join the servers themselves.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -20,6 +22,7 @@ from typing import Any, Callable
 
 from ibgda import TransportError
 from sglang_eaas import envs, transports
+from sglang_eaas.addresses import free_port
 from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.config import (
     DEFAULT_LOCAL_SERVERS,
@@ -29,25 +32,20 @@ from sglang_eaas.config import (
     RemoteServers,
 )
 from sglang_eaas.cores import shares_cores
+from sglang_eaas.holdings import Holdings
 from sglang_eaas.launcher.local_servers import start_local_servers
-from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.monitor import EMBEDDED, connect
-from sglang_eaas.protocol.monitor import SERVING
+from sglang_eaas.membership import EMBEDDED, connect
+from sglang_eaas.model_info import ModelError, MoeModelInfo
+from sglang_eaas.placement import PlacementError, even_placement
 from sglang_eaas.protocol import control
 from sglang_eaas.protocol.slot import DTYPE_NAMES, POLL_SPIN_US
-from sglang_eaas.placement import (
-    PlacementError,
-    even_placement,
-    layer_holdings,
-    load_placement_file,
-)
 from sglang_eaas.routing_table import RoutingTable
-from sglang_eaas.tools.server_process import free_port
 
 logger = logging.getLogger(__name__)
+LAUNCH_ERRORS = (PlacementError, TransportError, ModelError)  # one sentence each
 
 
-def probe(address: str, timeout: float = 10.0) -> dict[str, Any]:
+def probe(address: str, timeout: float = 10.0) -> control.ServerStats:
     """A server's stats (experts, model fingerprint, weight digests...), with this process's
     token."""
     return control.probe(address, envs.TOKEN.get(), timeout)
@@ -80,74 +78,109 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
     should use (the monitor's URL, the servers' addresses). ``sglang_ports``: SGLang's own,
     bound only once its workers are up, so neither the monitor nor a local server takes them."""
     info = MoeModelInfo.from_model_path(model_path)
-    planned = load_placement_file(cfg.placement) if cfg.placement else None
+    planned = cfg.placement  # read and checked against the model at parse time
     servers = cfg.expert_servers
+    origin = (f"--eaas-placement {planned.path}" if planned else
+              f"--eaas-expert-servers {_spec(servers)}" if servers else
+              f"--eaas-expert-servers local:{DEFAULT_LOCAL_SERVERS} (the default)")
     if cfg.monitor.kind != EMBEDDED and servers is None and planned is None:
-        return registered_servers(dataclasses.replace(cfg, monitor=cfg.monitor.url), info)
-    if planned and all(name.startswith("local:") for name in planned):
-        if isinstance(servers, LocalServers) and servers.count != len(planned):
+        with blame(f"--eaas-monitor {cfg.monitor}"):
+            return registered_servers(dataclasses.replace(cfg, monitor=cfg.monitor.url), info)
+    if planned and planned.local:
+        if isinstance(servers, LocalServers) and servers.count != len(planned.entries):
             raise PlacementError(f"--eaas-expert-servers local:{servers.count} but "
-                                 f"{cfg.placement} lists {len(planned)} local servers")
-        placements = list(planned.values())
+                                 f"{planned.path} lists {len(planned.entries)} local servers")
+        placements = list(planned.entries.values())
     elif planned:
         if cfg.kernel is not None or not cfg.shrink:
             raise PlacementError(LOCAL_ONLY)  # its servers are started separately
-        if isinstance(servers, RemoteServers) and set(servers.addresses) != set(planned):
-            raise PlacementError(f"{cfg.placement} names servers {sorted(planned)}, "
+        if isinstance(servers, RemoteServers) and set(servers.addresses) != set(planned.entries):
+            raise PlacementError(f"{planned.path} names servers {sorted(planned.entries)}, "
                                  f"--eaas-expert-servers names {sorted(servers.addresses)}")
-        servers, placements = RemoteServers(tuple(planned)), None
+        servers, placements = RemoteServers(tuple(planned.entries)), None
     elif servers is None or isinstance(servers, LocalServers):
         placements = even_placement(info.num_experts,
                                     servers.count if servers else DEFAULT_LOCAL_SERVERS)
+        # Every expert of every MoE layer covered, ids in range.
+        RoutingTable.build(0, Holdings.uniform({f"local:{i}": p for i, p in enumerate(placements)},
+                                               info.moe_layers),
+                           list(info.moe_layers), info.num_experts)
     else:
         placements = None
     if placements is not None:
-        # Every expert of every MoE layer covered, ids in range.
-        RoutingTable.build(0, {f"local:{i}": layer_holdings(p, info.moe_layers)
-                               for i, p in enumerate(placements)},
-                           list(info.moe_layers), info.num_experts)
         if not envs.TOKEN.get():  # inherited by the monitor, local servers and workers
             os.environ[envs.TOKEN.name] = secrets.token_hex(16)
-        cfg = dataclasses.replace(cfg, monitor=start_monitor(cfg, sglang_ports))
+        with blame(f"--eaas-monitor {cfg.monitor}"):
+            cfg = dataclasses.replace(cfg, monitor=start_monitor(cfg, sglang_ports))
         logger.info("sglang-eaas: starting %d local expert servers: %s", len(placements),
                     placements)
         backend = "shm" if cfg.transport == transports.AUTO else cfg.transport
-        local = start_local_servers(model_path, placements, sglang_dtype(model_path, dtype),
-                                    max(8, control.SLOTS_PER_CONNECTION * num_ranks),
-                                    avoid_ports=sglang_ports,
-                                    extra_args=("--transport", backend, "--monitor", cfg.monitor,
-                                                "--heartbeat", str(cfg.heartbeat),
-                                                *(("--poll-spin-us", str(cfg.poll_spin_us))
-                                                  if cfg.poll_spin_us is not None else ()),
-                                                *(("--kernel", cfg.kernel) if cfg.kernel
-                                                  else ()),
-                                                *(() if cfg.shrink else ("--disable-shrink",))))
-        atexit.register(lambda: [s.stop() for s in local])
-        wait_registered(cfg.monitor, [s.address for s in local])
+        with blame(origin):
+            local = start_local_servers(
+                model_path, placements, sglang_dtype(model_path, dtype),
+                max(8, control.SLOTS_PER_CONNECTION * num_ranks), avoid_ports=sglang_ports,
+                extra_args=("--transport", backend, "--monitor", cfg.monitor,
+                            "--heartbeat", str(cfg.heartbeat),
+                            *(("--poll-spin-us", str(cfg.poll_spin_us))
+                              if cfg.poll_spin_us is not None else ()),
+                            *(("--kernel", cfg.kernel) if cfg.kernel else ()),
+                            *(() if cfg.shrink else ("--disable-shrink",))))
+            atexit.register(lambda: [s.stop() for s in local])
+            wait_registered(cfg.monitor, [s.address for s in local])
         return dataclasses.replace(cfg, expert_servers=RemoteServers(
             tuple(s.address for s in local)), placement=None, transport=backend,
             poll_spin_us=client_poll_spin_us(cfg.poll_spin_us, len(placements), num_ranks))
     if not envs.TOKEN.get():
         raise TransportError(f"expert servers started separately need their shared token: set "
                              f"{envs.TOKEN.name} or pass --eaas-token")
+    with blame(origin):
+        check_remote_servers(servers.addresses, model_path, info,
+                             planned.holdings(info.moe_layers) if planned else Holdings())
+    with blame(f"--eaas-monitor {cfg.monitor}"):
+        return dataclasses.replace(cfg, expert_servers=servers,
+                                   monitor=start_monitor(cfg, sglang_ports))
+
+
+def check_remote_servers(addresses: tuple[str, ...], model_path: str, info: MoeModelInfo,
+                         expected: Holdings) -> None:
+    """Each server started separately serves this model with these weights, holds what
+    ``expected`` (a placement file) says of it, and together they hold every expert."""
     held, digests = {}, expert_digests(model_path, info)
-    for address in servers.addresses:
+    for address in addresses:
         stats = probe(address)
-        if stats["fingerprint"] != info.fingerprint():
+        if stats.fingerprint != info.fingerprint():
             raise PlacementError(f"expert server {address} serves a different model than "
                                  f"{model_path}")
-        differ = [int(e) for e, d in stats["expert_digests"].items() if digests[int(e)] != d]
+        differ = [e for e, d in stats.expert_digests.items() if digests[e] != d]
         if differ:
             raise PlacementError(f"expert server {address} holds other weights for experts "
                                  f"{differ} than {model_path} (another checkpoint of the same "
                                  "shape)")
-        held[address] = {int(layer): ids for layer, ids in stats["layer_experts"].items()}
-        if planned and held[address] != layer_holdings(planned[address], info.moe_layers):
+        held[address] = stats.holdings
+        if address in expected and not held[address].same_experts(expected[address]):
             raise PlacementError(f"expert server {address} holds experts {held[address]} (per "
-                                 f"MoE layer), {cfg.placement} says {planned[address]}")
-    RoutingTable.build(0, held, list(info.moe_layers), info.num_experts)
-    return dataclasses.replace(cfg, expert_servers=servers,
-                               monitor=start_monitor(cfg, sglang_ports))
+                                 f"MoE layer), the file says {expected[address]}")
+    RoutingTable.build(0, Holdings(held), list(info.moe_layers), info.num_experts)
+
+
+class LaunchError(Exception):
+    """What stops a launch, naming the flag that led there."""
+
+
+@contextlib.contextmanager
+def blame(flag: str):
+    """Errors inside name ``flag`` (what the user gave that led there) first."""
+    try:
+        yield
+    except LAUNCH_ERRORS as exc:
+        raise LaunchError(f"{flag}: {exc}") from None
+
+
+def _spec(servers: LocalServers | RemoteServers) -> str:
+    """``--eaas-expert-servers``' value, as given."""
+    if isinstance(servers, LocalServers):
+        return f"local:{servers.count}"
+    return ",".join(servers.addresses)
 
 
 def start_monitor(cfg: EaasConfig, avoid_ports: frozenset[int] = frozenset()) -> str:
@@ -210,13 +243,12 @@ def registered_servers(cfg: EaasConfig, info: MoeModelInfo) -> EaasConfig:
         while True:
             snapshot = backend.watch(revision, 5.0)
             revision = snapshot.revision
-            servers = [m for m in snapshot.servers(fingerprint) if m.status == SERVING]
-            table = RoutingTable.build(0, {m.id: m.base_holdings() for m in servers},
-                                       list(info.moe_layers), info.num_experts,
+            holdings = snapshot.holdings(fingerprint).model_experts(info.num_experts)
+            table = RoutingTable.build(0, holdings, list(info.moe_layers), info.num_experts,
                                        allow_missing=True)
             if not table.missing:
                 logger.info("sglang-eaas: serving with the %d expert servers registered at %s",
-                            len(servers), cfg.monitor)
+                            len(holdings), cfg.monitor)
                 return dataclasses.replace(cfg, expert_servers=RemoteServers(()))
             missing = "; ".join(f"experts {e} of MoE layer {layer}"
                                 for layer, e in table.missing.items())
@@ -233,13 +265,18 @@ def registered_servers(cfg: EaasConfig, info: MoeModelInfo) -> EaasConfig:
 
 
 def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **kwargs):
-    """AROUND ``Engine._launch_subprocesses``."""
+    """AROUND ``Engine._launch_subprocesses``: what cannot serve ends the launch here, with
+    one sentence and exit status 1 (``SystemExit``: SGLang's launcher lets it through, and
+    the local servers started so far stop at exit)."""
     cfg = getattr(server_args, "_eaas", None)
     if cfg is not None:
         if cfg.token:
             os.environ[envs.TOKEN.name] = cfg.token
         ranks = server_args.tp_size * server_args.pp_size * max(server_args.dp_size, 1)
-        server_args._eaas = prepare_expert_servers(cfg, server_args.model_path,
-                                                   server_args.dtype, ranks,
-                                                   frozenset({server_args.port}))
+        try:
+            server_args._eaas = prepare_expert_servers(cfg, server_args.model_path,
+                                                       server_args.dtype, ranks,
+                                                       frozenset({server_args.port}))
+        except (LaunchError, *LAUNCH_ERRORS) as exc:
+            raise SystemExit(f"error: {exc}") from None
     return launch(cls, server_args, *args, **kwargs)

@@ -11,7 +11,7 @@ import threading
 
 from sglang_eaas import envs
 from sglang_eaas.addresses import AddressError, parse_address
-from sglang_eaas.monitor import LOSS_TIMEOUT
+from sglang_eaas.membership import LOSS_TIMEOUT
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.protocol.lines import ControlError
 from sglang_eaas.protocol.monitor import SERVER, Departure, Member, Snapshot
 
@@ -55,7 +56,8 @@ class Registry:
             self._incarnations[member.incarnation] = member.key()
             self.counters[f"{member.kind}s_registered"] += 1
             self._bump()
-        held = (f", experts per MoE layer {member.holdings()}" if member.kind == SERVER else "")
+        held = (f", experts per MoE layer {member.holdings}" if member.kind == SERVER
+                else "")
         logger.info("%s %s registered (incarnation %s, %s pid %d%s)", member.kind, member.id,
                     member.incarnation, member.host, member.pid, held)
         return member
@@ -91,17 +93,14 @@ class Registry:
                 logger.info("%s %s is %s", entry.member.kind, entry.member.id, status)
             return self.revision
 
-    def set_holdings(self, incarnation: str, layer_experts: dict, session: object,
-                     adapter_experts: dict | None = None) -> int:
-        adapter_experts = adapter_experts or {}
+    def set_holdings(self, incarnation: str, holdings: ServerHoldings, session: object) -> int:
         with self._cond:
             entry = self._entry(incarnation, session)
-            if (entry.member.layer_experts, entry.member.adapter_experts) != (
-                    layer_experts, adapter_experts):
-                entry.member = entry.member.with_holdings(layer_experts, adapter_experts)
+            if entry.member.holdings != holdings:
+                entry.member = entry.member.with_holdings(holdings)
                 self._bump()
                 logger.info("%s %s now holds experts per MoE layer %s", entry.member.kind,
-                            entry.member.id, layer_experts)
+                            entry.member.id, holdings)
             return self.revision
 
     def leave(self, incarnation: str, session: object) -> None:

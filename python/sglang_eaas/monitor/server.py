@@ -14,7 +14,7 @@ import json
 import logging
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ibgda import TransportError
@@ -22,8 +22,10 @@ from sglang_eaas.endpoint import LineEndpoint
 from sglang_eaas.monitor.registry import Registry
 from sglang_eaas.protocol import control
 from sglang_eaas.protocol.lines import MAX_LINE, ControlError
+from sglang_eaas.protocol.lines import Done, Message
 from sglang_eaas.protocol.monitor import (
-    CLIENT, OPS, SERVER, Heartbeat, Leave, Member, Register, Report, SetHoldings, SetStatus, Watch,
+    CLIENT, OPS, SERVER, Evicted, Heartbeat, Leave, Member, MonitorStats, Register, Registered,
+    Report, Revision, SetHoldings, SetStatus, Snapshot, Watch, Watched,
 )
 
 logger = logging.getLogger(__name__)
@@ -71,20 +73,22 @@ class MonitorServer:
         except TransportError as exc:
             raise ControlError("forged_registration", f"server {member.id} registers, but its "
                                f"control endpoint does not answer: {exc}") from None
-        claims = {"fingerprint": member.fingerprint, "pid": member.pid,
-                  "layer_experts": member.layer_experts, "num_experts": member.num_experts,
-                  "adapter_experts": member.adapter_experts}
-        found = {key: stats.get(key, {} if key == "adapter_experts" else None)
-                 for key in claims}
+
+        def said(m) -> dict[str, Any]:
+            return {"fingerprint": m.fingerprint, "pid": m.pid, "num_experts": m.num_experts,
+                    "holdings": m.holdings}
+
+        claims, found = said(member), said(stats)
         if found != claims:
             raise ControlError("forged_registration", f"server {member.id} registers "
                                f"{claims}, but the server at that address has {found}")
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> MonitorStats:
         snapshot = self.registry.snapshot()
-        return {**self.registry.counters, **self.endpoint.counters(),
-                "revision": snapshot.revision, "servers": len(snapshot.servers()),
-                "clients": len(snapshot.clients())}
+        endpoint = self.endpoint.counters()
+        return MonitorStats(snapshot.revision, len(snapshot.servers()), len(snapshot.clients()),
+                            endpoint["control_refused"], endpoint["refused_connections"],
+                            dict(self.registry.counters))
 
     def close(self) -> None:
         self._stop.set()
@@ -100,12 +104,11 @@ class _Session:
         self.monitor, self.registry = monitor, monitor.registry
         self.closing = False
 
-    def handle(self, op: str, message: dict[str, Any]) -> dict[str, Any]:
+    def handle(self, op: str, message: dict[str, Any]) -> Message:
         registry = self.registry
         if op == "register":
             register = Register.from_message(message)
-            member = Member.from_message(register.member)
-            loss = registry.loss_timeout
+            member, loss = register.member, registry.loss_timeout
             if not 0 < register.heartbeat <= loss / 2:
                 raise ControlError("bad_field", f"a heartbeat period of {register.heartbeat}s "
                                    f"is too slow for this monitor's loss timeout of {loss}s "
@@ -113,49 +116,44 @@ class _Session:
             if member.kind == SERVER and self.monitor.config.verify_servers:
                 self.monitor.verify(member)
             member = registry.register(member, self)
-            return {"incarnation": member.incarnation, "revision": registry.revision,
-                    "loss_timeout": loss}
+            return Registered(member.incarnation, registry.revision, loss)
         if op == "heartbeat":
             beat = Heartbeat.from_message(message)
-            return {"revision": registry.heartbeat(beat.incarnation, beat.load, self)}
+            return Revision(registry.heartbeat(beat.incarnation, beat.load, self))
         if op == "set_status":
             change = SetStatus.from_message(message)
-            return {"revision": registry.set_status(change.incarnation, change.status, self)}
+            return Revision(registry.set_status(change.incarnation, change.status, self))
         if op == "set_holdings":
             change = SetHoldings.from_message(message)
             member = registry.member_of(change.incarnation, self)
             if member.kind == SERVER and self.monitor.config.verify_servers:
-                self.monitor.verify(member.with_holdings(change.layer_experts,
-                                                         change.adapter_experts))
-            return {"revision": registry.set_holdings(change.incarnation, change.layer_experts,
-                                                      self, change.adapter_experts)}
+                self.monitor.verify(member.with_holdings(change.holdings))
+            return Revision(registry.set_holdings(change.incarnation, change.holdings, self))
         if op == "leave":
             registry.leave(Leave.from_message(message).incarnation, self)
-            return {}
+            return Done()
         if op == "watch":
             watch = Watch.from_message(message)
             snapshot = registry.wait(watch.after, min(max(watch.timeout, 0.0), MAX_WATCH))
-            return {"snapshot": self._within_line(snapshot.to_message())}
+            return Watched(self._within_line(snapshot))
         if op == "report":
             report = Report.from_message(message)
-            return {"evicted": registry.report(report.server, report.incarnation, report.why)}
-        return {"stats": self.monitor.stats()}
+            return Evicted(registry.report(report.server, report.incarnation, report.why))
+        return self.monitor.stats()
 
-    def _within_line(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+    def _within_line(self, snapshot: Snapshot) -> Snapshot:
         """``snapshot``, without the clients' loads (their load windows: tens of KB each for
         a large model) if all of it would not fit in one reply line: watchers follow the
         membership, which must always reach them."""
-        if len(json.dumps(snapshot)) < MAX_LINE - 1024:
+        if len(json.dumps(snapshot.to_message())) < MAX_LINE - 1024:
             return snapshot
-        for member in snapshot["members"]:
-            if member["kind"] == CLIENT:
-                member["load"] = {}
         self.registry.counters["client_loads_omitted"] += 1
         if self.registry.counters["client_loads_omitted"] == 1:
             logger.warning("a snapshot of %d members is over %d bytes with the clients' load "
-                           "windows: watchers get it without them", len(snapshot["members"]),
+                           "windows: watchers get it without them", len(snapshot.members),
                            MAX_LINE)
-        return snapshot
+        return replace(snapshot, members=tuple(
+            replace(m, load={}) if m.kind == CLIENT else m for m in snapshot.members))
 
     def close(self) -> None:
         self.registry.session_closed(self)

@@ -1,39 +1,75 @@
 """An expert server's control endpoint: the messages a client (or an operator) sends it.
 
-Over the authenticated JSON-line channel (``protocol/lines.py``):
+Over the authenticated JSON-line channel (``protocol/lines.py``), each request a record here
+that names its op and its reply's record:
 
-    -> {"op": "join", ...JoinRequest}  <- {"ok": true, ...JoinReply}
-    -> {"op": "ready"}                 <- {"ok": true}: the slot is served from now on
-    -> {"op": "stats"}                 <- {"ok": true, "stats": {...}}
-    -> {"op": "leave"}                 <- {"ok": true}: the slot is back in the pool
-    -> {"op": "drain", ...Drain}       <- {"ok": true, "clients": N}: the server leaves the tier
-                                          gracefully (docs/protocol.md, "Leaving")
-    -> {"op": "add_experts", ...AddExperts}   <- {"ok": true, ...HoldingsChange}: load replicas
-                                          while serving, then hold them (docs/protocol.md,
-                                          "Replicas")
-    -> {"op": "drop_experts", ...DropExperts} <- {"ok": true, ...HoldingsChange}: stop holding
-                                          them; their weights go once no request uses them
-    -> {"op": "expert_weights", ...ExpertWeights} <- {"ok": true, ...WeightsChunk}: a peer
-                                          reads one expert's weights from this server
+    JoinRequest ("join")            -> JoinReply: a reserved slot, and what the server holds
+    Ready ("ready")                 -> Done: the slot is served from now on
+    Stats ("stats")                 -> ServerStats
+    ReleaseSlots ("leave")          -> Done: the slots are back in the pool
+    Drain ("drain")                 -> Drained: the server leaves the tier gracefully
+                                       (docs/protocol.md, "Leaving")
+    AddExperts ("add_experts")      -> HoldingsChange: load replicas while serving, then hold
+                                       them (docs/protocol.md, "Replicas")
+    DropExperts ("drop_experts")    -> HoldingsChange: stop holding them; their weights go once
+                                       no request uses them
+    ExpertWeights ("expert_weights") -> WeightsChunk: a peer reads one expert's weights
 
-The records below are the only definition of these messages; both ends use them.
+The records below are the only definition of these messages; both ends use them: a sender
+passes one to ``call`` (or ``Channel.call``) and gets the reply's record back.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
+from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.protocol.header import DType
 from sglang_eaas.protocol.layout import SlotLayout
-from sglang_eaas.protocol.lines import Channel, ControlError, Message, shown
+from sglang_eaas.protocol.lines import (
+    Channel, ControlError, Message, Request, check_fields, holdings_fields, read_holdings, shown,
+)
 
-OPS = ("join", "ready", "stats", "leave", "drain", "add_experts", "drop_experts",
-       "expert_weights")
+SLOTS_PER_CONNECTION = 2  # one per micro-batch in flight (two-batch overlap)
 
 
 @dataclass(frozen=True)
-class JoinRequest(Message):
+class JoinReply(Message):
+    """Where the reserved slot is, and what the server holds."""
+
+    slot: int
+    region: dict  # ibgda.RegionHandle.to_dict()
+    base: int  # the slot's offset in the region
+    bell: int  # the server doorbell's offset
+    layout: SlotLayout
+    holdings: ServerHoldings  # per MoE layer (maybe none in some), adapter experts described
+    moe_layers: list[int]
+    first_seq: int  # the client's first request is first_seq + 1 (a fresh range per join)
+
+    def to_message(self) -> dict[str, Any]:
+        return {"slot": self.slot, "region": self.region, "base": self.base, "bell": self.bell,
+                "layout": {**asdict(self.layout), "dtype": int(self.layout.dtype)},
+                **holdings_fields(self.holdings), "moe_layers": self.moe_layers,
+                "first_seq": self.first_seq}
+
+    _KINDS = {"slot": "int", "region": "dict", "base": "int", "bell": "int", "layout": "dict",
+              "moe_layers": "list[int]", "first_seq": "int"}
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> "JoinReply":
+        rest, held = read_holdings(message)
+        values = check_fields(cls, rest, cls._KINDS)
+        raw = values.pop("layout")
+        try:
+            layout = SlotLayout(**{**raw, "dtype": DType(raw["dtype"])})
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ControlError("bad_field", f"join: bad layout ({exc})") from None
+        return cls(**values, layout=layout, holdings=held)
+
+
+@dataclass(frozen=True)
+class JoinRequest(Request):
     """A client asks for a slot; the server checks it serves the same model and weights."""
 
     client: str  # the client's id: its monitor member id when it has a monitor, else a name
@@ -44,43 +80,99 @@ class JoinRequest(Message):
     incarnation: str = ""  # the client's monitor incarnation: its slot goes when that does
 
     op = "join"
-
-
-SLOTS_PER_CONNECTION = 2  # one per micro-batch in flight (two-batch overlap)
+    reply = JoinReply
 
 
 @dataclass(frozen=True)
-class JoinReply:
-    """Where the reserved slot is, and what the server holds."""
+class Ready(Request):
+    """The client has mapped the slot it joined: serve it."""
 
-    slot: int
-    region: dict  # ibgda.RegionHandle.to_dict()
-    base: int  # the slot's offset in the region
-    bell: int  # the server doorbell's offset
-    layout: SlotLayout
-    experts: list[int]  # held in at least one layer
-    layer_experts: dict[int, list[int]]  # MoE layer -> experts held there (maybe none)
-    moe_layers: list[int]
-    first_seq: int  # the client's first request is first_seq + 1 (a fresh range per join)
-    adapter_experts: dict = field(default_factory=dict)  # Member.adapter_experts's form
+    op = "ready"
+
+
+@dataclass(frozen=True)
+class ReleaseSlots(Request):
+    """The client is done: its slots go back to the pool (answered once they have)."""
+
+    op = "leave"
+
+
+@dataclass(frozen=True)
+class ServerStats(Message):
+    """What a server holds and has done: ``stats``' reply (``python -m sglang_eaas.status``,
+    the monitor's check of a registration, the launcher's and a peer's checks of weights)."""
+
+    fingerprint: str  # MoeModelInfo.fingerprint() of the model it serves
+    pid: int
+    num_experts: int  # the model's routed experts per MoE layer
+    weight_bytes: int
+    expert_digests: Mapping[int, str]  # the model's experts it holds or held -> digest
+    holdings: ServerHoldings
+    adapter_paths: Mapping[str, str]  # ESFT adapter -> its directory (for copies from disk)
+    clients: int  # connections holding slots
+    slots: int  # slots in use
+    expert_load: Mapping[int, Mapping[int, tuple[int, int]]]  # layer -> expert -> (tokens, ns)
+    control_refused: Mapping[str, int]  # control refusals by reason
+    refused_connections: int
+    counters: Mapping[str, int]  # requests, tokens, batches, rejected_<reason>, replicas_...
+    monitor: str = ""  # with a monitor: its URL,
+    incarnation: str | None = None  # the server's incarnation there (None: not registered yet)
+    status: str = ""  # and serving | draining
+
+    _KINDS = {"fingerprint": "str", "pid": "int", "num_experts": "int", "weight_bytes": "int",
+              "adapter_paths": "dict", "clients": "int", "slots": "int",
+              "control_refused": "dict", "refused_connections": "int", "monitor": "str",
+              "incarnation": "str | None", "status": "str"}
+
+    def counter(self, name: str) -> int:
+        return self.counters.get(name, 0)
 
     def to_message(self) -> dict[str, Any]:
-        return {**asdict(self), "layout": {**asdict(self.layout), "dtype": int(self.layout.dtype)},
-                "layer_experts": {str(layer): ids for layer, ids in self.layer_experts.items()}}
+        return {**self.counters, "fingerprint": self.fingerprint, "pid": self.pid,
+                "num_experts": self.num_experts, "weight_bytes": self.weight_bytes,
+                "expert_digests": {str(e): d for e, d in self.expert_digests.items()},
+                **holdings_fields(self.holdings),
+                "adapter_paths": dict(self.adapter_paths), "clients": self.clients,
+                "slots": self.slots,
+                "expert_load": {str(layer): {str(e): list(v) for e, v in experts.items()}
+                                for layer, experts in self.expert_load.items()},
+                "control_refused": dict(self.control_refused),
+                "refused_connections": self.refused_connections,
+                **({"monitor": self.monitor, "incarnation": self.incarnation,
+                    "status": self.status} if self.monitor else {})}
 
     @classmethod
-    def from_message(cls, message: dict[str, Any]) -> "JoinReply":
-        layout = dict(message["layout"])
-        layout["dtype"] = DType(layout["dtype"])
-        return cls(message["slot"], message["region"], message["base"], message["bell"],
-                   SlotLayout(**layout), list(message["experts"]),
-                   {int(layer): list(ids) for layer, ids in message["layer_experts"].items()},
-                   list(message["moe_layers"]), message["first_seq"],
-                   dict(message.get("adapter_experts", {})))
+    def from_message(cls, message: dict[str, Any]) -> "ServerStats":
+        rest, held = read_holdings(message)
+        typed = check_fields(cls, rest, cls._KINDS)
+        digests, load = rest.get("expert_digests", {}), rest.get("expert_load", {})
+        try:
+            return cls(**typed, holdings=held,
+                       expert_digests={int(e): str(d) for e, d in digests.items()},
+                       expert_load={int(layer): {int(e): (int(v[0]), int(v[1]))
+                                                 for e, v in experts.items()}
+                                    for layer, experts in load.items()},
+                       counters={k: v for k, v in rest.items()
+                                 if type(v) is int and k not in cls._KINDS})
+        except (AttributeError, ValueError, TypeError, IndexError) as exc:
+            raise ControlError("bad_field", f"stats: {exc}") from None
 
 
 @dataclass(frozen=True)
-class Drain(Message):
+class Stats(Request):
+    """What the server holds and has done."""
+
+    op = "stats"
+    reply = ServerStats
+
+
+@dataclass(frozen=True)
+class Drained(Message):
+    clients: int  # clients still using the server when it started draining
+
+
+@dataclass(frozen=True)
+class Drain(Request):
     """Leave the tier gracefully: clients stop sending first, in-flight work finishes, then the
     server exits. Refused (``drain_uncovered``) where the server is the last live holder of an
     expert, unless ``force``."""
@@ -89,6 +181,17 @@ class Drain(Message):
     timeout: float = 30.0  # seconds to wait for clients to stop using the server
 
     op = "drain"
+    reply = Drained
+
+
+@dataclass(frozen=True)
+class HoldingsChange(Message):
+    """What an add or drop did: the server's experts in that layer afterwards, and where the
+    added weights came from."""
+
+    layer_experts: list[int]
+    from_peer: list[int] = field(default_factory=list)
+    from_disk: list[int] = field(default_factory=list)
 
 
 def _check_experts(layer: int, experts: list[int]) -> None:
@@ -99,7 +202,7 @@ def _check_experts(layer: int, experts: list[int]) -> None:
 
 
 @dataclass(frozen=True)
-class AddExperts(Message):
+class AddExperts(Request):
     """Hold ``experts`` of MoE ``layer`` too (replicas): their weights are read from the
     expert server ``source`` (its control address) if given, from the checkpoint on disk
     otherwise or if that fails; the server serves them before it says it holds them.
@@ -116,6 +219,7 @@ class AddExperts(Message):
     replaces: list[int] = field(default_factory=list)
 
     op = "add_experts"
+    reply = HoldingsChange
 
     def validate(self) -> None:
         _check_experts(self.layer, self.experts)
@@ -127,7 +231,7 @@ class AddExperts(Message):
 
 
 @dataclass(frozen=True)
-class DropExperts(Message):
+class DropExperts(Request):
     """Stop holding ``experts`` of MoE ``layer``: the server says so at once (clients stop
     sending them at their next step), still answers for them until none came for ``grace``
     seconds, then frees their weights. Refused (``drop_uncovered``) where it is their last
@@ -139,6 +243,7 @@ class DropExperts(Message):
     grace: float = 2.0
 
     op = "drop_experts"
+    reply = HoldingsChange
 
     def validate(self) -> None:
         _check_experts(self.layer, self.experts)
@@ -146,25 +251,21 @@ class DropExperts(Message):
             raise ControlError("bad_field", f"grace must be 0-600 seconds, got {self.grace}")
 
 
-@dataclass(frozen=True)
-class HoldingsChange:
-    """What an add or drop did: the server's experts in that layer afterwards, and where the
-    added weights came from."""
-
-    layer_experts: list[int]
-    from_peer: list[int] = field(default_factory=list)
-    from_disk: list[int] = field(default_factory=list)
-
-    def to_message(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 WEIGHT_TENSORS = ("w13", "w2")  # LayerExperts' rows: gate and up stacked, then down
 WEIGHT_CHUNK = 384 << 10  # raw bytes per chunk: base64 keeps a reply under MAX_LINE
 
 
 @dataclass(frozen=True)
-class ExpertWeights(Message):
+class WeightsChunk(Message):
+    data: str  # base64 of the chunk's bytes
+    total: int  # the tensor's bytes
+    dtype: str  # float32 | bfloat16 | float16
+    shape: list[int]
+    sha256: str  # of the whole tensor's bytes (checked once all chunks are in)
+
+
+@dataclass(frozen=True)
+class ExpertWeights(Request):
     """Bytes ``offset .. offset + WEIGHT_CHUNK`` of one expert's ``tensor`` in ``layer``."""
 
     layer: int
@@ -173,6 +274,7 @@ class ExpertWeights(Message):
     offset: int = 0
 
     op = "expert_weights"
+    reply = WeightsChunk
 
     def validate(self) -> None:
         if self.tensor not in WEIGHT_TENSORS or self.offset < 0:
@@ -180,33 +282,21 @@ class ExpertWeights(Message):
                                f">= 0, got {shown(self.tensor)}, {self.offset}")
 
 
-@dataclass(frozen=True)
-class WeightsChunk:
-    data: str  # base64 of the chunk's bytes
-    total: int  # the tensor's bytes
-    dtype: str  # float32 | bfloat16 | float16
-    shape: list[int]
-    sha256: str  # of the whole tensor's bytes (checked once all chunks are in)
-
-    def to_message(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_message(cls, message: dict[str, Any]) -> "WeightsChunk":
-        return cls(*(message[f] for f in ("data", "total", "dtype", "shape", "sha256")))
+REQUESTS = (JoinRequest, Ready, Stats, ReleaseSlots, Drain, AddExperts, DropExperts,
+            ExpertWeights)
+OPS = tuple(r.op for r in REQUESTS)
 
 
-def call(address: str, token: str, op: str, timeout: float = 10.0, **fields: Any
-         ) -> dict[str, Any]:
-    """One request to the server at ``address`` over a fresh connection; its reply
+def call(address: str, request: Request, token: str, timeout: float = 10.0):
+    """``request`` to the server at ``address`` over a fresh connection; its reply's record
     (``Refused`` if refused, ``TransportError`` if the connection fails)."""
     channel = Channel(address, token, timeout)
     try:
-        return channel.call(op, **fields)
+        return channel.call(request)
     finally:
         channel.close()
 
 
-def probe(address: str, token: str, timeout: float = 10.0) -> dict[str, Any]:
+def probe(address: str, token: str, timeout: float = 10.0) -> ServerStats:
     """A server's stats (experts, model fingerprint, counters) over a fresh connection."""
-    return call(address, token, "stats", timeout)["stats"]
+    return call(address, Stats(), token, timeout)

@@ -8,9 +8,11 @@ is closed. Then JSON lines, one request, one reply, each at most ``MAX_LINE`` by
 
     -> {"op": OP, ...fields}   <- {"ok": true, ...} | {"ok": false, "error": SENTENCE, "reason": R}
 
-``R`` is the counter the refusal is counted under. What each endpoint's ops carry are typed
-records (``protocol/control.py`` for expert servers, ``protocol/monitor.py`` for the monitor),
-checked field by field by ``check_fields``.
+``R`` is the counter the refusal is counted under. Both directions carry typed records
+(``Message``: ``protocol/control.py`` for expert servers, ``protocol/monitor.py`` for the
+monitor), checked field by field by ``check_fields`` where they arrive: a request names its op
+and the record its reply is (``Request``), and a caller passes the record and gets the reply's
+record back (``Channel.call``), as ``protocol/header.py`` does for the data path.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import reprlib
 import select
 import socket
 import typing
-from dataclasses import MISSING, fields
-from typing import Any
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar
 
 from ibgda import TransportError
 from sglang_eaas.addresses import parse_address
+from sglang_eaas.holdings import ServerHoldings
 
 AUTH_PREFIX = b"EAAS-AUTH "
 MAX_AUTH_LINE = 1024  # bytes, newline included
@@ -74,43 +77,51 @@ def shown(value: Any) -> str:
 _KINDS = {"str": (str, "a string"), "int": (int, "an integer"), "bool": (bool, "true or false"),
           "float": ((int, float), "a number"), "list[str]": (list, "a list of strings"),
           "list[int]": (list, "a list of integers"), "dict": (dict, "an object"),
-          "list[list[int]]": (list, "a list of lists of integers")}
+          "list[list[int]]": (list, "a list of lists of integers"),
+          "str | None": ((str, type(None)), "a string or null")}
 _ITEMS = {"list[str]": str, "list[int]": int}
 
 
-def _is(value: Any, annotation: str) -> bool:
+def of_kind(value: Any, annotation: str) -> bool:
+    """Whether ``value`` (from JSON) is of the field annotation ``annotation`` (``_KINDS``)."""
     kind = _KINDS[annotation][0]
     if isinstance(value, bool) and annotation != "bool":
         return False  # JSON true is not the integer 1
     if not isinstance(value, kind):
         return False
     if annotation == "list[list[int]]":
-        return all(_is(row, "list[int]") for row in value)
+        return all(of_kind(row, "list[int]") for row in value)
     item = _ITEMS.get(annotation)
     return item is None or all(isinstance(v, item) and not isinstance(v, bool) for v in value)
 
 
-def check_fields(record: type, message: dict[str, Any]) -> dict[str, Any]:
+def check_fields(record: type, message: dict[str, Any],
+                 kinds: dict[str, str] | None = None) -> dict[str, Any]:
     """The fields of dataclass ``record`` from ``message``, each of its annotated type (a field
-    with a default may be missing), else ``ControlError("bad_field", ...)``."""
+    with a default may be missing), else ``ControlError("bad_field", ...)``. ``kinds``: the
+    fields to read and their types instead, for a record that converts others itself."""
     values = {}
-    op = shown(message.get("op"))
-    for f in fields(record):
-        if f.name not in message:
-            if f.default is not MISSING or f.default_factory is not MISSING:
+    op = shown(message.get("op", record.__name__))
+    optional = {f.name for f in fields(record)
+                if f.default is not MISSING or f.default_factory is not MISSING}
+    for name, kind in (kinds or {f.name: f.type for f in fields(record)}).items():
+        if name not in message:
+            if name in optional:
                 continue
-            raise ControlError("bad_field", f"{op} needs field {f.name!r}")
-        value = message[f.name]
-        if not _is(value, f.type):
-            raise ControlError("bad_field", f"{op}: field {f.name!r} must be "
-                               f"{_KINDS[f.type][1]}, got {type(value).__name__}")
-        values[f.name] = value
+            raise ControlError("bad_field", f"{op} needs field {name!r}")
+        value = message[name]
+        if not of_kind(value, kind):
+            raise ControlError("bad_field", f"{op}: field {name!r} must be "
+                               f"{_KINDS[kind][1]}, got {type(value).__name__}")
+        values[name] = value
     return values
 
 
 class Message:
-    """A typed record that arrives over the channel (a dataclass): ``from_message`` checks each
-    field's type (``check_fields``), then ``validate`` checks what types cannot say."""
+    """A typed record that crosses the channel (a dataclass): ``to_message`` is its JSON object,
+    ``from_message`` checks each field's type (``check_fields``), then ``validate`` checks what
+    types cannot say. Records with fields JSON cannot carry as they are (integer keys, nested
+    records) convert them in these two methods and nowhere else."""
 
     @classmethod
     def from_message(cls, message: dict[str, Any]):
@@ -118,9 +129,60 @@ class Message:
         record.validate()
         return record
 
+    def to_message(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     def validate(self) -> None:
         """Raise ``ControlError("bad_field", ...)`` for a value its type allows but the record
         does not."""
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    """The reply of a request that only succeeds (``{"ok": true}``)."""
+
+
+class Request(Message):
+    """A message that asks for something: its ``op`` and the record its reply is."""
+
+    op: ClassVar[str]
+    reply: ClassVar[type[Message]] = Done
+
+
+# -- a server's holdings on the wire: integer keys become strings here ------------------------
+HOLDINGS_FIELDS = ("layer_experts", "adapter_experts")
+
+
+def holdings_fields(held: ServerHoldings) -> dict[str, Any]:
+    """``held`` as the wire carries it: ``layer_experts`` ``{str(layer): [ids]}`` and
+    ``adapter_experts`` ``{str(layer): {str(physical id): [adapter, base expert, digest]}}``."""
+    return {"layer_experts": held.layers_message(), "adapter_experts": held.adapters_message()}
+
+
+def read_holdings(message: dict[str, Any]) -> tuple[dict[str, Any], ServerHoldings]:
+    """``message`` without its holdings fields, and the ``ServerHoldings`` they carry;
+    ``ControlError("bad_field")`` for anything but ``holdings_fields``' shapes."""
+    layers = message.get("layer_experts", {})
+    adapters = message.get("adapter_experts", {})
+    if not isinstance(layers, dict) or not all(
+            isinstance(layer, str) and layer.isdigit() and isinstance(ids, list)
+            and all(type(e) is int and e >= 0 for e in ids) for layer, ids in layers.items()):
+        raise ControlError("bad_field", f"layer_experts maps MoE layer numbers to lists of "
+                           f"expert ids, got {shown(layers)}")
+    if not isinstance(adapters, dict) or not all(
+            isinstance(layer, str) and layer.isdigit() and isinstance(experts, dict) and all(
+                physical.isdigit() and isinstance(v, list) and len(v) == 3
+                and isinstance(v[0], str) and type(v[1]) is int and v[1] >= 0
+                and isinstance(v[2], str) for physical, v in experts.items())
+            for layer, experts in adapters.items()):
+        raise ControlError("bad_field", f"adapter_experts maps MoE layer numbers to "
+                           f"{{physical expert id: [adapter, base expert, digest]}}, got "
+                           f"{shown(adapters)}")
+    try:
+        held = ServerHoldings.from_message(layers, adapters)
+    except ValueError as exc:
+        raise ControlError("bad_field", f"layer_experts: {exc}") from None
+    return {k: v for k, v in message.items() if k not in HOLDINGS_FIELDS}, held
 
 
 def parse_line(line: bytes, ops: typing.Collection[str]) -> tuple[str, dict[str, Any]]:
@@ -145,7 +207,13 @@ _WHAT = {"join": "to join", "ready": "the slot confirmation", "stats": "a stats 
          "leave": "the leave", "drain": "to drain", "register": "the registration",
          "heartbeat": "a heartbeat", "set_status": "a status change",
          "set_holdings": "a holdings change", "watch": "a watch",
-         "report": "a report"}
+         "report": "a report", "add_experts": "to add experts",
+         "drop_experts": "to drop experts", "expert_weights": "an expert's weights"}
+
+
+
+def _what(op: Any) -> str:
+    return _WHAT.get(op, repr(op)) if isinstance(op, str) else repr(op)
 
 
 class Channel:
@@ -162,11 +230,22 @@ class Channel:
         self._file = self._sock.makefile("rwb")
         self._pending = auth_line(token)  # sent with the first request: no extra round trip
 
-    def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Send one request; the reply, ``Refused`` if refused, ``TransportError`` if the line
-        broke."""
+    def call(self, request: Request):
+        """Send ``request``; its reply's record, ``Refused`` if refused, ``TransportError`` if
+        the line broke or the reply is not the record the request expects."""
+        reply = self.exchange({"op": request.op, **request.to_message()})
         try:
-            self._file.write(self._pending + (json.dumps({"op": op, **fields}) + "\n").encode())
+            return request.reply.from_message(reply)
+        except (ControlError, TypeError, KeyError) as exc:
+            raise TransportError(f"{self.peer} {self.address} sent a malformed reply to "
+                                 f"{_what(request.op)}: {exc}") from None
+
+    def exchange(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Send one JSON object as it is, return the reply's (``call`` is the typed way; this
+        is for peers that send what no record allows, as the fuzzer and its tests do)."""
+        op = message.get("op")
+        try:
+            self._file.write(self._pending + (json.dumps(message) + "\n").encode())
             self._pending = b""
             self._file.flush()
             line = self._file.readline(MAX_LINE)
@@ -181,7 +260,7 @@ class Channel:
         if not isinstance(reply, dict):
             raise TransportError(f"{self.peer} {self.address} sent a malformed reply")
         if not reply.get("ok"):
-            raise Refused(f"{self.peer} {self.address} refused {_WHAT.get(op, repr(op))}: "
+            raise Refused(f"{self.peer} {self.address} refused {_what(op)}: "
                           f"{reply.get('error', reply)}", str(reply.get("reason", "")))
         return reply
 

@@ -1,27 +1,27 @@
 """The monitor's records: who is in the expert tier, and the messages that change or watch it.
 
 Over the authenticated JSON-line channel (``protocol/lines.py``), on one connection per member
-(its *session*: the member is lost when the session closes or its heartbeats stop):
+(its *session*: the member is lost when the session closes or its heartbeats stop), each request
+a record here that names its op and its reply's record:
 
-    -> {"op": "register", ...Register}     <- {"ok": true, "incarnation": I, "revision": R,
-                                                "loss_timeout": S}
-    -> {"op": "heartbeat", ...Heartbeat}   <- {"ok": true, "revision": R}; refused
-                                              ("unknown_incarnation") once lost: register again
-    -> {"op": "set_status", ...SetStatus}  <- {"ok": true, "revision": R}
-    -> {"op": "set_holdings", ...SetHoldings} <- {"ok": true, "revision": R}: a server now
-                                              holds other experts (a replica added or dropped)
-    -> {"op": "leave", ...Leave}           <- {"ok": true}: the member leaves, in order
+    Register ("register")         -> Registered: the incarnation, revision and loss timeout
+    Heartbeat ("heartbeat")       -> Revision; refused ("unknown_incarnation") once lost:
+                                     register again
+    SetStatus ("set_status")      -> Revision
+    SetHoldings ("set_holdings")  -> Revision: a server now holds other experts (a replica
+                                     added or dropped)
+    Leave ("leave")               -> Done: the member leaves, in order
 and on any connection:
-    -> {"op": "watch", ...Watch}           <- {"ok": true, "snapshot": Snapshot}: as soon as the
-                                              revision passes ``after`` (or at ``timeout``)
-    -> {"op": "report", ...Report}         <- {"ok": true, "evicted": bool}: a client saw a
-                                              server time out; the monitor evicts it
-    -> {"op": "stats"}                     <- {"ok": true, "stats": {...}}
+    Watch ("watch")               -> Watched: the ``Snapshot`` as soon as the revision passes
+                                     ``after`` (or at ``timeout``)
+    Report ("report")             -> Evicted: a client saw a server time out; the monitor
+                                     evicts it
+    TierStats ("stats")           -> MonitorStats
 
 Members are named by a stable ``id`` (a server: its control address; a client: its client id)
 and an ``incarnation`` the monitor gives each registration, so a server that comes back (after a
 SIGSTOP, say) is a new incarnation that clients join afresh. The etcd backend
-(``monitor/etcd.py``) stores the same ``Member`` records, signed with the shared token.
+(``monitor_client/etcd.py``) stores the same ``Member`` records, signed with the shared token.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Mapping
 
-from sglang_eaas.protocol.lines import ControlError, Message, shown
+from sglang_eaas.holdings import Holdings, ServerHoldings
+from sglang_eaas.protocol.lines import (
+    ControlError, Message, Request, check_fields, holdings_fields, read_holdings, shown,
+)
 
-OPS = ("register", "heartbeat", "set_status", "set_holdings", "leave", "watch", "report",
-       "stats")
 SERVER, CLIENT = "server", "client"
 SERVING, DRAINING = "serving", "draining"
 
@@ -44,27 +45,6 @@ def _check_status(status: str) -> None:
     if status not in (SERVING, DRAINING):
         raise ControlError("bad_field", f"status {shown(status)} is neither {SERVING!r} nor "
                            f"{DRAINING!r}")
-
-
-def _check_layer_experts(layer_experts: dict) -> None:
-    for layer, ids in layer_experts.items():
-        if not (layer.isdigit() and isinstance(ids, list)
-                and all(type(e) is int and e >= 0 for e in ids)):
-            raise ControlError("bad_field", f"layer_experts maps MoE layer numbers to lists of "
-                               f"expert ids, got {shown(layer)}: {shown(ids)}")
-
-
-def _check_adapter_experts(adapter_experts: dict) -> None:
-    """``{str(layer): {str(physical id): [adapter name, base expert, digest]}}``."""
-    for layer, experts in adapter_experts.items():
-        ok = layer.isdigit() and isinstance(experts, dict) and all(
-            physical.isdigit() and isinstance(v, list) and len(v) == 3
-            and isinstance(v[0], str) and type(v[1]) is int and v[1] >= 0
-            and isinstance(v[2], str) for physical, v in experts.items())
-        if not ok:
-            raise ControlError("bad_field", f"adapter_experts maps MoE layer numbers to "
-                               f"{{physical expert id: [adapter, base expert, digest]}}, got "
-                               f"{shown(layer)}: {shown(experts)}")
 
 
 @dataclass(frozen=True)
@@ -79,9 +59,9 @@ class Member(Message):
     status: str = SERVING  # SERVING | DRAINING (servers)
     fingerprint: str = ""  # servers: MoeModelInfo.fingerprint() of what they serve
     num_experts: int = 0  # servers: the model's routed experts per MoE layer
-    layer_experts: dict = field(default_factory=dict)  # servers: str(MoE layer) -> expert ids
-    # servers: which held experts are ESFT adapter experts (``_check_adapter_experts``)
-    adapter_experts: dict = field(default_factory=dict)
+    # servers: their experts per MoE layer, ESFT adapter experts described (on the wire:
+    # ``layer_experts`` and ``adapter_experts``, ``lines.holdings_fields``)
+    holdings: ServerHoldings = field(default_factory=ServerHoldings)
     load: dict = field(default_factory=dict)  # counters from the last heartbeat
     beat_age: float = 0.0  # seconds since the last heartbeat, when a snapshot was taken
 
@@ -89,7 +69,15 @@ class Member(Message):
     def from_message(cls, message: Any) -> "Member":
         if not isinstance(message, dict):
             raise ControlError("bad_field", f"a member must be an object, got {shown(message)}")
-        return super().from_message(message)
+        rest, held = read_holdings(message)
+        kinds = {f.name: f.type for f in fields(cls) if f.name != "holdings"}
+        record = cls(**check_fields(cls, rest, kinds), holdings=held)
+        record.validate()
+        return record
+
+    def to_message(self) -> dict[str, Any]:
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "holdings"},
+                **holdings_fields(self.holdings)}
 
     def validate(self) -> None:
         if self.kind not in (SERVER, CLIENT):
@@ -98,15 +86,6 @@ class Member(Message):
         _check_status(self.status)
         if not self.id or len(self.id) > 256:
             raise ControlError("bad_field", "a member id is 1 to 256 characters")
-        _check_layer_experts(self.layer_experts)
-        _check_adapter_experts(self.adapter_experts)
-
-    def holdings(self) -> dict[int, list[int]]:
-        """A server's experts per MoE layer."""
-        return {int(layer): sorted(ids) for layer, ids in self.layer_experts.items()}
-
-    def to_message(self) -> dict[str, Any]:
-        return asdict(self)
 
     def key(self) -> tuple[str, str]:
         return self.kind, self.id
@@ -114,22 +93,8 @@ class Member(Message):
     def with_status(self, status: str) -> "Member":
         return replace(self, status=status)
 
-    def base_holdings(self) -> dict[int, list[int]]:
-        """A server's experts of the model per MoE layer, without ESFT adapter experts
-        (physical ids past the model's experts: the balancer leaves those alone)."""
-        return {layer: [e for e in ids if e < self.num_experts]
-                for layer, ids in self.holdings().items()}
-
-    def adapter_holdings(self) -> dict[int, dict[int, tuple[str, int, str]]]:
-        """A server's adapter experts: MoE layer -> physical id -> (adapter, base, digest)."""
-        return {int(layer): {int(p): tuple(v) for p, v in experts.items()}
-                for layer, experts in self.adapter_experts.items()}
-
-    def with_holdings(self, layer_experts: dict, adapter_experts: dict | None = None
-                      ) -> "Member":
-        return replace(self, layer_experts=layer_experts,
-                       adapter_experts=self.adapter_experts if adapter_experts is None
-                       else adapter_experts)
+    def with_holdings(self, holdings: ServerHoldings) -> "Member":
+        return replace(self, holdings=holdings)
 
 
 @dataclass(frozen=True)
@@ -144,7 +109,7 @@ class Departure:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class Snapshot(Message):
     """The tier at one revision of the monitor: its members, and its latest departures."""
 
     revision: int
@@ -158,72 +123,185 @@ class Snapshot:
     def clients(self) -> list[Member]:
         return [m for m in self.members if m.kind == CLIENT]
 
+    def holdings(self, fingerprint: str | None = None) -> Holdings:
+        """What the serving servers (of the model ``fingerprint``, if given) hold, in the
+        snapshot's order: the one way from a snapshot to the tier's ``Holdings``."""
+        return Holdings({m.id: m.holdings for m in self.servers(fingerprint)
+                         if m.status == SERVING})
+
     def to_message(self) -> dict[str, Any]:
         return {"revision": self.revision, "members": [m.to_message() for m in self.members],
                 "departures": [asdict(d) for d in self.departures]}
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> "Snapshot":
-        return cls(message["revision"], tuple(Member(**m) for m in message["members"]),
-                   tuple(Departure(**d) for d in message.get("departures", ())))
+        if not isinstance(message, dict) or not isinstance(message.get("members"), list):
+            raise ControlError("bad_field", "a snapshot is {revision, members, departures}")
+        try:
+            departures = tuple(Departure(**d) for d in message.get("departures", ()))
+        except TypeError as exc:
+            raise ControlError("bad_field", f"a snapshot's departure: {exc}") from None
+        return cls(message["revision"], tuple(Member.from_message(m)
+                                              for m in message["members"]), departures)
+
+
+# -- replies ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Registered(Message):
+    incarnation: str
+    revision: int
+    loss_timeout: float
 
 
 @dataclass(frozen=True)
-class Register(Message):
-    member: dict  # a Member's fields (incarnation and beat_age are the monitor's)
+class Revision(Message):
+    """The monitor's revision after a change."""
+
+    revision: int
+
+
+@dataclass(frozen=True)
+class Watched(Message):
+    snapshot: Snapshot
+
+    def to_message(self) -> dict[str, Any]:
+        return {"snapshot": self.snapshot.to_message()}
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> "Watched":
+        return cls(Snapshot.from_message(message.get("snapshot")))
+
+
+@dataclass(frozen=True)
+class Evicted(Message):
+    evicted: bool  # whether the server was still that incarnation
+
+
+@dataclass(frozen=True)
+class MonitorStats(Message):
+    """The monitor's counters: registrations, losses and evictions by kind, refusals by
+    reason (``control_refused``), and the tier's size now."""
+
+    revision: int
+    servers: int
+    clients: int
+    control_refused: Mapping[str, int]
+    refused_connections: int
+    counters: Mapping[str, int]  # servers_registered, clients_lost, evictions, ...
+
+    _KINDS = {"revision": "int", "servers": "int", "clients": "int", "control_refused": "dict",
+              "refused_connections": "int"}
+
+    def to_message(self) -> dict[str, Any]:
+        return {**self.counters, **{name: getattr(self, name) for name in self._KINDS}}
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> "MonitorStats":
+        return cls(**check_fields(cls, message, cls._KINDS),
+                   counters={k: v for k, v in message.items()
+                             if type(v) is int and k not in cls._KINDS})
+
+
+# -- requests ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Register(Request):
+    member: Member  # incarnation and beat_age are the monitor's
     heartbeat: float  # the member's heartbeat period, seconds
 
-    def validate(self) -> None:
-        Member.from_message(self.member)
+    op = "register"
+    reply = Registered
+
+    def to_message(self) -> dict[str, Any]:
+        member = {k: v for k, v in self.member.to_message().items()
+                  if k not in ("incarnation", "beat_age")}
+        return {"member": member, "heartbeat": self.heartbeat}
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> "Register":
+        values = check_fields(cls, message, {"heartbeat": "float"})
+        if "member" not in message:
+            raise ControlError("bad_field", "register needs field 'member'")
+        return cls(Member.from_message(message["member"]), **values)
 
 
 @dataclass(frozen=True)
-class Heartbeat(Message):
+class Heartbeat(Request):
     incarnation: str
     load: dict = field(default_factory=dict)
 
+    op = "heartbeat"
+    reply = Revision
+
 
 @dataclass(frozen=True)
-class SetStatus(Message):
+class SetStatus(Request):
     incarnation: str
     status: str
+
+    op = "set_status"
+    reply = Revision
 
     def validate(self) -> None:
         _check_status(self.status)
 
 
 @dataclass(frozen=True)
-class SetHoldings(Message):
-    """A server's experts per MoE layer changed (``Member.layer_experts``'s form), and which
-    of them are adapter experts (``Member.adapter_experts``'s form)."""
+class SetHoldings(Request):
+    """A server's experts per MoE layer changed (and which of them are adapter experts)."""
 
     incarnation: str
-    layer_experts: dict
-    adapter_experts: dict = field(default_factory=dict)
+    holdings: ServerHoldings
 
-    def validate(self) -> None:
-        _check_layer_experts(self.layer_experts)
-        _check_adapter_experts(self.adapter_experts)
+    op = "set_holdings"
+    reply = Revision
+
+    def to_message(self) -> dict[str, Any]:
+        return {"incarnation": self.incarnation, **holdings_fields(self.holdings)}
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> "SetHoldings":
+        rest, held = read_holdings(message)
+        return cls(**check_fields(cls, rest, {"incarnation": "str"}), holdings=held)
 
 
 @dataclass(frozen=True)
-class Leave(Message):
+class Leave(Request):
     incarnation: str
+
+    op = "leave"
 
 
 @dataclass(frozen=True)
-class Watch(Message):
+class Watch(Request):
     after: int = -1  # answer once the revision is past this (-1: at once)
     timeout: float = 10.0  # seconds to wait for that at most
 
+    op = "watch"
+    reply = Watched
+
 
 @dataclass(frozen=True)
-class Report(Message):
+class Report(Request):
     """A client saw ``server`` (this ``incarnation``) fail to answer within its timeout."""
 
     server: str
     incarnation: str
     why: str
+
+    op = "report"
+    reply = Evicted
+
+
+@dataclass(frozen=True)
+class TierStats(Request):
+    """The monitor's counters."""
+
+    op = "stats"
+    reply = MonitorStats
+
+
+REQUESTS = (Register, Heartbeat, SetStatus, SetHoldings, Leave, Watch, Report, TierStats)
+OPS = tuple(r.op for r in REQUESTS)
 
 
 # -- signed records (the etcd backend, where no monitor checks who writes) --------------------

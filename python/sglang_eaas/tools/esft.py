@@ -18,6 +18,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from sglang_eaas.esft.adapter import default_max_experts
 from sglang_eaas.esft.domains import DOMAINS, DomainError
 from sglang_eaas.esft.edit import (
     DEFAULT_EXPERTS_PER_LAYER, DEFAULT_SCALE, choose_experts, merge, parse_experts,
@@ -89,9 +90,11 @@ def _random_parser(sub) -> None:
     p.add_argument("out", type=Path, help="adapter directory to write")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the expert choice and the noise (default 0)")
-    p.add_argument("--experts-per-layer", type=int, default=DEFAULT_EXPERTS_PER_LAYER,
+    p.add_argument("--experts-per-layer", type=int, default=None,
                    help="experts replaced in each chosen layer, drawn by --seed (default "
-                   f"{DEFAULT_EXPERTS_PER_LAYER})")
+                   f"{DEFAULT_EXPERTS_PER_LAYER}, or fewer where the model has under "
+                   f"{4 * DEFAULT_EXPERTS_PER_LAYER} experts: at most a quarter of them, the most "
+                   "SGLang's --eaas-esft-max-experts takes by default)")
     p.add_argument("--layers", help="comma-separated MoE layer ids to touch (default: all)")
     p.add_argument("--experts",
                    help="exactly which experts to replace, as JSON {\"<layer>\": [ids]}, e.g. "
@@ -156,7 +159,9 @@ def _run(args, argv: list[str]) -> None:
             experts = parse_experts(args.experts)
         else:
             layers = None if args.layers is None else _layers(args.layers)
-            experts = choose_experts(info, args.seed, args.experts_per_layer, layers)
+            per_layer = (min(DEFAULT_EXPERTS_PER_LAYER, default_max_experts(info.num_experts))
+                         if args.experts_per_layer is None else args.experts_per_layer)
+            experts = choose_experts(info, args.seed, per_layer, layers)
         adapter = random_adapter(args.model, args.out, experts, args.seed, args.scale)
         print(f"wrote {adapter.path}: {_summary(adapter)}")
     elif args.command == "merge":

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_eaas.tools.server_process import free_port
+from sglang_eaas.addresses import free_port
 
 
 class EtcdProcess:

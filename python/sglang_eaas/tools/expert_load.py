@@ -7,9 +7,11 @@
 DUMP is a load dump (JSON lines of ``balance.load.LoadWindow``); its windows are summed. Writes
 ``load.png`` (layers x experts: each expert's share of its layer's tokens) and, given a
 placement, ``placement.png`` (layers x experts: replicas per expert; layers x servers: each
-server's tokens over the mean), before and after. A placement file is ``{server: {layer:
-[experts]}}`` (a list instead of the layer map: the same experts in every layer), optionally
-under a ``"servers"`` key. Prints the files written and one line per layer. docs/balancing.md.
+server's tokens over the mean), before and after. A placement file is the one format
+``placement.load_placement_file`` reads (``--eaas-placement``'s, with any server names):
+``{"servers": {server: {layer: [experts]}}}`` (a list instead of the layer map: the same
+experts in every layer; the ``"servers"`` key may be left out), and ``--save-after`` writes it.
+Prints the files written and one line per layer. docs/balancing.md.
 """
 
 from __future__ import annotations
@@ -22,51 +24,26 @@ from typing import NoReturn
 
 import numpy as np
 
-from sglang_eaas.balance.evaluate import layer_load, layer_of, replica_counts
+from sglang_eaas.balance.evaluate import layer_load, replica_counts
 from sglang_eaas.balance.load import read_dump
 from sglang_eaas.balance.placer import DEFAULT_WARM_SLACK, balance_model
 from sglang_eaas.balance.scaler import DEFAULT_CV_TARGET
-from sglang_eaas.placement import even_placement
+from sglang_eaas.holdings import Holdings
+from sglang_eaas.placement import PlacementError, even_placement, load_placement_file
+from sglang_eaas.routing_table import RoutingTable
 
-Model = dict[str, dict[int, list[int]]]
 PROG = "python -m sglang_eaas.tools.expert_load"
 
 
-def read_placement(path: Path, layers: list[int], num_experts: int) -> Model:
-    """A placement file as ``{server: {layer: experts}}`` over ``layers``; ``ValueError`` with
-    one sentence naming the file and the entry for anything else."""
+def read_holdings(path: Path, layers: list[int], num_experts: int) -> Holdings:
+    """A placement file over the dump's ``layers``, every expert of each held somewhere;
+    ``PlacementError`` with one sentence naming the file (and the entry) otherwise."""
+    holdings = load_placement_file(path, server_names=False).holdings(layers, num_experts)
     try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    if isinstance(data, dict) and isinstance(data.get("servers"), dict):
-        data = data["servers"]
-    if not isinstance(data, dict) or not data:
-        raise ValueError(f"{path}: expected a map of server -> {{layer: [experts]}}")
-    out: Model = {}
-    for server, held in data.items():
-        if isinstance(held, list):
-            held = {str(layer): held for layer in layers}
-        if not isinstance(held, dict):
-            raise ValueError(f"{path}: server {server!r} must map to a list or a layer map")
-        out[server] = {layer: [] for layer in layers}
-        for layer, experts in held.items():
-            if not str(layer).isdigit() or int(layer) not in layers:
-                raise ValueError(f"{path}: server {server!r} names layer {layer!r}, which is "
-                                 f"not a MoE layer of the dump ({layers})")
-            if not isinstance(experts, list) or any(
-                    type(e) is not int or not 0 <= e < num_experts for e in experts):
-                raise ValueError(f"{path}: server {server!r}, layer {layer}: expected a list "
-                                 f"of expert ids in 0..{num_experts - 1}")
-            out[server][int(layer)] = sorted(set(experts))
-    for layer in layers:
-        held = replica_counts(layer_of(out, layer), num_experts)
-        if (held == 0).any():
-            raise ValueError(f"{path}: MoE layer {layer} has experts on no server: "
-                             f"{np.flatnonzero(held == 0).tolist()}")
-    return out
+        RoutingTable.build(0, holdings, layers, num_experts)
+    except PlacementError as exc:
+        raise PlacementError(f"{path}: {exc}") from None
+    return holdings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,18 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     loads = np.sum([w.array() for w in windows], axis=0).astype(np.float64)
     num_experts = loads.shape[1]
     try:
-        before = read_placement(args.placement, layers, num_experts) if args.placement else None
-        after = read_placement(args.after, layers, num_experts) if args.after else None
-    except ValueError as exc:
+        before = read_holdings(args.placement, layers, num_experts) if args.placement else None
+        after = read_holdings(args.after, layers, num_experts) if args.after else None
+    except PlacementError as exc:
         fail(str(exc))
     if args.balance:
         if before is None:
             servers = args.servers or 4
             if servers > num_experts:
                 fail(f"--servers {servers} is more than the {num_experts} experts")
-            blocks = even_placement(num_experts, servers)
-            before = {f"local:{i}": {layer: list(b) for layer in layers}
-                      for i, b in enumerate(blocks)}
+            before = Holdings.uniform({f"local:{i}": b for i, b in
+                                       enumerate(even_placement(num_experts, servers))}, layers)
         servers = list(before)
         slots = args.slots or 2 * -(-num_experts // len(servers))
         if slots * len(servers) < num_experts:
@@ -161,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                               warm_slack=args.warm_slack)
         if args.save_after:
             try:
-                args.save_after.write_text(json.dumps(after, indent=1) + "\n")
+                args.save_after.write_text(json.dumps(after.to_message(), indent=1) + "\n")
             except OSError as exc:
                 fail(f"--save-after {args.save_after}: cannot write it "
                      f"({exc.strerror or exc})")
@@ -179,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summary(loads: np.ndarray, layers: list[int], before: Model | None,
-            after: Model | None) -> list[str]:
+def summary(loads: np.ndarray, layers: list[int], before: Holdings | None,
+            after: Holdings | None) -> list[str]:
     """One line per layer: expert max/mean, server max/mean before and after, replicas."""
     lines = []
     for row, layer in enumerate(layers):
@@ -188,7 +164,7 @@ def summary(loads: np.ndarray, layers: list[int], before: Model | None,
         line = f"layer {layer}: expert max/mean {loads[row].max() / mean if mean else 1:.2f}"
         for name, model in (("before", before), ("after", after)):
             if model:
-                placed = layer_of(model, layer)
+                placed = model.layer(layer)
                 line += (f" | servers max/mean {name} "
                          f"{layer_load(placed, loads[row]).max_over_mean:.3f} "
                          f"({sum(map(len, placed.values()))} replicas)")
@@ -223,15 +199,15 @@ def draw_load(path: Path, loads: np.ndarray, layers: list[int], windows: int) ->
     return path
 
 
-def draw_placement(path: Path, loads: np.ndarray, layers: list[int], before: Model | None,
-                   after: Model | None) -> Path:
+def draw_placement(path: Path, loads: np.ndarray, layers: list[int],
+                   before: Holdings | None, after: Holdings | None) -> Path:
     plt = _pyplot()
     panels = [(name, m) for name, m in (("before", before), ("after", after)) if m]
     fig, axes = plt.subplots(2, len(panels), squeeze=False, figsize=(
         len(panels) * max(5, 0.25 * loads.shape[1] + 2), 2 + 1.0 * len(layers)))
-    replicas = [np.stack([replica_counts(layer_of(m, layer), loads.shape[1]) for layer in layers])
+    replicas = [np.stack([replica_counts(m.layer(layer), loads.shape[1]) for layer in layers])
                 for _, m in panels]
-    ratios = [np.stack([_server_ratio(layer_of(m, layer), loads[row])
+    ratios = [np.stack([_server_ratio(m.layer(layer), loads[row])
                         for row, layer in enumerate(layers)]) for _, m in panels]
     top = max(int(r.max()) for r in replicas)  # one scale for before and after
     worst = max(2.0, max(float(r.max()) for r in ratios))  # 1.0 (even) in the middle
@@ -254,7 +230,7 @@ def draw_placement(path: Path, loads: np.ndarray, layers: list[int], before: Mod
     return path
 
 
-def _server_ratio(placed: dict[str, list[int]], load: np.ndarray) -> np.ndarray:
+def _server_ratio(placed: dict[str, tuple[int, ...]], load: np.ndarray) -> np.ndarray:
     tokens = layer_load(placed, load).tokens
     return tokens / tokens.mean() if tokens.mean() > 0 else np.ones_like(tokens)
 

@@ -18,9 +18,10 @@ import time
 from ibgda import TransportError
 from sglang_eaas import envs
 from sglang_eaas.balance.apply import apply_placement
-from sglang_eaas.balance.live import POLICIES, LoadHistory, plan, tier_placement
+from sglang_eaas.balance.live import POLICIES, LoadHistory, plan, tier_holdings
 from sglang_eaas.balance.scaler import DEFAULT_CV_TARGET
-from sglang_eaas.monitor import connect, parse_monitor
+from sglang_eaas.holdings import Holdings
+from sglang_eaas.membership import connect, parse_monitor
 from sglang_eaas.placement import PlacementError
 
 
@@ -71,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def default_slots(current: dict, num_experts: int) -> int:
+def default_slots(current: Holdings, num_experts: int) -> int:
     servers = max(1, len(current))
     fullest = max((len(ids) for layers in current.values() for ids in layers.values()),
                   default=0)
@@ -88,8 +89,8 @@ def one_pass(monitor, history: LoadHistory, args, token: str, first: bool) -> No
     while True:
         snapshot = monitor.watch(-1, 0.0)
         history.take(snapshot)
-        current, num_experts = tier_placement(snapshot)
-        layers = sorted({layer for held in current.values() for layer in held})
+        current, num_experts = tier_holdings(snapshot)
+        layers = list(current.layers())
         load = history.total(layers, num_experts)
         if least(load) >= args.min_tokens or time.monotonic() > deadline:
             break

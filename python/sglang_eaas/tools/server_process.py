@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,9 @@ from typing import Any
 
 import requests
 
+from sglang_eaas.addresses import free_port
+
+
 # What the CPU tests and the demo pass on top of the user's arguments. The CPU runtime supplies
 # torch_native attention, sleep-on-idle and the KV pools' size by itself (docs/cpu-runtime.md);
 # --max-total-tokens 4096 keeps a test server's pool small where the runtime would give its ranks
@@ -24,17 +26,6 @@ import requests
 CPU_DEVICE_ARGS = ("--device", "cpu")
 CPU_ARGS = (*CPU_DEVICE_ARGS, "--max-total-tokens", "4096")
 PORT_ATTEMPTS = 3
-
-
-def free_port(avoid: frozenset[int] = frozenset()) -> int:
-    """A port free now on loopback, not one of ``avoid`` (ports a process about to start has
-    been told to bind, but has not bound yet: SGLang's HTTP port, while its model loads)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
 
 
 class ServerError(RuntimeError):

@@ -24,24 +24,14 @@ import json
 import math
 import os
 import sys
-import sysconfig
 import time
-import zlib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from sglang_eaas.corpus import HELD_OUT_MOD, read_text, split_corpus, stdlib_root
 from sglang_eaas.tools.tiny_tokenizer import EOS, MIN_VOCAB, train_byte_level_bpe
+from sglang_eaas.training import WindowBatches, cosine_lr, out_of_time, run_windows, token_stream
 
-# Skipped anywhere in a relative path: tests, third-party packages, caches, binary-ish tables.
-SKIP_DIRS = frozenset({
-    "site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings",
-    "lib-dynload", "__phello__",
-})
-HELD_OUT_MOD = 20  # a file is held out when crc32(relative path) % 20 == 0
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -102,75 +92,12 @@ PRESETS = {
 }
 
 
-# --------------------------------------------------------------------------------------- corpus
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_files(root: Path) -> list[str]:
-    """Relative paths (posix, sorted) of the stdlib sources used as the corpus."""
-    paths = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if any(part in SKIP_DIRS or part.startswith("config-") for part in rel.parts[:-1]):
-            continue
-        if rel.name.startswith("_sysconfigdata") or not path.is_file():
-            continue
-        paths.append(rel.as_posix())
-    return sorted(paths)
-
-
-def is_held_out(rel: str) -> bool:
-    return zlib.crc32(rel.encode()) % HELD_OUT_MOD == 0
-
-
-def split_corpus(root: Path, max_mb: float) -> tuple[list[str], list[str]]:
-    """(train, held-out) file lists; with ``max_mb`` > 0 each is cut (in order) near that size
-    (the held-out one near a twentieth of it), keeping at least one file each."""
-    files = corpus_files(root)
-    train = [f for f in files if not is_held_out(f)]
-    held = [f for f in files if is_held_out(f)]
-    if not train or not held:
-        raise ValueError(f"no Python sources found under {root} to train on")
-    if max_mb > 0:
-        train = _cut(root, train, max_mb * 1e6)
-        held = _cut(root, held, max_mb * 1e6 / HELD_OUT_MOD)
-    return train, held
-
-
-def _cut(root: Path, files: list[str], limit: float) -> list[str]:
-    out, total = [], 0
-    for rel in files:
-        if out and total >= limit:
-            break
-        out.append(rel)
-        total += (root / rel).stat().st_size
-    return out
-
-
-def read_text(root: Path, rel: str) -> str:
-    return (root / rel).read_text(encoding="utf-8", errors="replace")
-
-
 # ------------------------------------------------------------------------------------ tokenizer
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE of ``vocab_size`` entries trained on ``texts``, as a transformers tokenizer
     (EOS = BOS = pad = ``<|endoftext|>``, ChatML template)."""
     return train_byte_level_bpe(texts, vocab_size, bos_token=EOS)
-
-
-def token_stream(tokenizer, texts: list[str]):
-    """All texts encoded and joined, each followed by EOS, as one int64 tensor."""
-    import torch
-
-    eos = tokenizer.convert_tokens_to_ids(EOS)
-    ids: list[int] = []
-    for enc in tokenizer.backend_tokenizer.encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -207,106 +134,6 @@ def hf_config(spec: TrainSpec, vocab_size: int, eos_id: int):
 def lr_at(spec: TrainSpec, step: int) -> float:
     """Linear warmup, then cosine decay to a tenth."""
     return cosine_lr(spec.lr, spec.warmup, spec.steps, step)
-
-
-class WindowBatches:
-    """Training batches: ``batch`` windows of ``seq_len + 1`` consecutive tokens of ``stream``
-    each, in a seeded order drawn again whenever it runs out (the same seed, the same
-    batches)."""
-
-    def __init__(self, stream, seq_len: int, batch: int, seed: int):
-        import torch
-
-        self.stream, self.seq_len, self.batch = stream, seq_len, batch
-        self.count = (stream.numel() - 1) // seq_len
-        self._gen = torch.Generator().manual_seed(seed)
-        self._order = torch.randperm(self.count, generator=self._gen)
-        self._cursor = 0
-
-    def next(self):
-        """``[batch, seq_len + 1]`` token ids."""
-        import torch
-
-        if self._cursor + self.batch > self.count:
-            self._order, self._cursor = torch.randperm(self.count, generator=self._gen), 0
-        idx = self._order[self._cursor:self._cursor + self.batch]
-        self._cursor += self.batch
-        return torch.stack([self.stream[i * self.seq_len:(i + 1) * self.seq_len + 1]
-                            for i in idx])
-
-
-def out_of_time(t0: float, minutes: float, step: int, steps: int, log) -> bool:
-    """Whether the ``--minutes`` safety net ends the run before ``step`` (said once)."""
-    if minutes > 0 and time.monotonic() - t0 > minutes * 60:
-        log(f"warning: --minutes {minutes} reached after {step} of {steps} steps; this run is "
-            "not reproducible by --steps alone")
-        return True
-    return False
-
-
-def cosine_lr(lr: float, warmup: int, steps: int, step: int) -> float:
-    """The learning rate of ``step``: linear warmup to ``lr`` over ``warmup`` steps, then cosine
-    decay to a tenth of it at ``steps``."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    span = max(1, steps - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-@dataclass(frozen=True)
-class WindowStats:
-    """A model run over consecutive windows of a token stream (``run_windows``)."""
-
-    loss: float  # mean next-token loss, nats per token
-    tokens: int  # tokens predicted
-    counts: torch.Tensor  # [MoE layers, experts] int64: tokens whose top-k held the expert
-    gate_sums: torch.Tensor  # [MoE layers, experts] float64: sum of those tokens' router weights
-
-
-def run_windows(model, stream, seq_len: int, batch: int, max_tokens: int,
-                top_k: int) -> WindowStats:
-    """Next-token loss and routing of ``model`` (eval mode, no grad) over the first
-    ``max_tokens`` tokens of ``stream`` cut into windows of ``seq_len``, ``batch`` at a time.
-
-    ``counts`` and ``gate_sums`` come from each MoE layer's router logits: the top-``top_k``
-    experts of every token, and their softmax weights as the model uses them (renormalized over
-    the top-k when the config says ``norm_topk_prob``)."""
-    import torch
-
-    n = min(max_tokens, stream.numel() - 1) // seq_len
-    if n < 1:
-        raise ValueError("the held-out split is shorter than one --seq-len window")
-    windows = stream[: n * seq_len + 1]
-    norm = getattr(model.config, "norm_topk_prob", False)
-    counts = gate_sums = None
-    loss_sum, tokens = 0.0, 0
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for start in range(0, n, batch):
-            rows = range(start, min(n, start + batch))
-            x = torch.stack([windows[r * seq_len: (r + 1) * seq_len] for r in rows])
-            y = torch.stack([windows[r * seq_len + 1: (r + 1) * seq_len + 1] for r in rows])
-            out = model(input_ids=x, output_router_logits=True)
-            loss = torch.nn.functional.cross_entropy(
-                out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1),
-                reduction="sum")
-            loss_sum += loss.item()
-            tokens += y.numel()
-            if counts is None:
-                shape = (len(out.router_logits), out.router_logits[0].shape[-1])
-                counts = torch.zeros(shape, dtype=torch.int64)
-                gate_sums = torch.zeros(shape, dtype=torch.float64)
-            for layer, logits in enumerate(out.router_logits):
-                top = torch.topk(logits.float(), top_k, dim=-1).indices
-                counts[layer] += torch.bincount(top.reshape(-1), minlength=counts.shape[1])
-                weights = torch.softmax(logits.float(), dim=-1).gather(-1, top)
-                if norm:
-                    weights = weights / weights.sum(dim=-1, keepdim=True)
-                gate_sums[layer].index_add_(0, top.reshape(-1), weights.reshape(-1).double())
-    model.train(was_training)
-    return WindowStats(loss_sum / tokens, tokens, counts, gate_sums)
 
 
 def evaluate(model, stream, spec: TrainSpec) -> dict:

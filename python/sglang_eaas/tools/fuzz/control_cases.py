@@ -14,11 +14,17 @@ import json
 import random
 from dataclasses import dataclass
 
-from sglang_eaas.protocol.control import SLOTS_PER_CONNECTION
-from sglang_eaas.protocol.lines import AUTH_PREFIX, MAX_AUTH_LINE, MAX_LINE
+from dataclasses import MISSING, fields
+
+from sglang_eaas.protocol.control import (
+    SLOTS_PER_CONNECTION, JoinRequest, Ready, ReleaseSlots, Stats,
+)
+from sglang_eaas.protocol.lines import AUTH_PREFIX, MAX_AUTH_LINE, MAX_LINE, Request
 
 OK = "ok"  # a line the server accepts
-JOIN_FIELDS = ("client", "fingerprint", "dtype", "transport", "expert_digests")
+# the join's fields a join must carry (the record's fields without a default)
+JOIN_FIELDS = tuple(f.name for f in fields(JoinRequest)
+                    if f.default is MISSING and f.default_factory is MISSING)
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,11 @@ def message(**fields) -> bytes:
     return json.dumps(fields).encode() + b"\n"
 
 
+def request_line(request: Request) -> bytes:
+    """A well-formed request, as the typed end sends it."""
+    return message(op=request.op, **request.to_message())
+
+
 class ControlCaseMaker:
     """Random malformed control traffic; ``make()`` draws the next connection's case."""
 
@@ -88,10 +99,10 @@ class ControlCaseMaker:
 
     def valid_join(self) -> dict:
         t = self.target
-        return {"op": "join", "client": "fuzz", "fingerprint": t.fingerprint,
-                "dtype": self.rng.choice(["float32", "bfloat16", "float16"]),
-                "transport": self.rng.choice(["auto", "shm"]),
-                "expert_digests": list(t.expert_digests)}
+        request = JoinRequest("fuzz", t.fingerprint,
+                              self.rng.choice(["float32", "bfloat16", "float16"]),
+                              self.rng.choice(["auto", "shm"]), list(t.expert_digests))
+        return {"op": request.op, **request.to_message()}
 
     # -- before authentication: one refusal, then the server closes --------------------------
     def _bad_auth(self) -> ControlCase:
@@ -99,7 +110,7 @@ class ControlCaseMaker:
         choices = {
             "random first line": lambda: rng.randbytes(rng.randint(1, 300)).replace(b"\n", b"")
             or b"x",
-            "no authentication line": lambda: message(op="stats")[:-1],
+            "no authentication line": lambda: request_line(Stats())[:-1],
             "wrong token": lambda: AUTH_PREFIX + _mutated(rng, token).encode(),
             "token prefix": lambda: AUTH_PREFIX + token[: rng.randrange(len(token))].encode(),
             "token with a suffix": lambda: AUTH_PREFIX + (token + "x").encode(),
@@ -147,7 +158,7 @@ class ControlCaseMaker:
             what = self.rng.random()
             may_join = ready and slots < SLOTS_PER_CONNECTION
             if what < 0.2:
-                lines.append(Line(message(op="ready"), "out_of_order" if ready else OK))
+                lines.append(Line(request_line(Ready()), "out_of_order" if ready else OK))
                 ready = True
             elif what < 0.35:
                 lines.append(Line(json.dumps(self.valid_join()).encode() + b"\n",
@@ -158,7 +169,7 @@ class ControlCaseMaker:
                 lines.append(Line(message(op="stats", junk=[1, {"x": None}]), OK))
             else:  # never a 'ready' before a join (above); a failing join fails its checks
                 lines.append(self._bad_message(joined=not may_join))
-        lines.append(Line(message(op="leave"), OK))
+        lines.append(Line(request_line(ReleaseSlots()), OK))
         return ControlCase("session: joined, bad messages, leave", tuple(lines), closes=True)
 
     def _line_too_long(self) -> ControlCase:
@@ -179,7 +190,7 @@ class ControlCaseMaker:
             return ControlCase(kind + ", cut mid-line", tuple(lines), tail=b"#" + tail,
                                tail_reason="malformed")
         if end < 0.5:
-            lines.append(Line(message(op="leave"), OK))
+            lines.append(Line(request_line(ReleaseSlots()), OK))
             return ControlCase(kind + ", leave", tuple(lines), closes=True)
         return ControlCase(kind, tuple(lines))
 
@@ -214,7 +225,7 @@ class ControlCaseMaker:
             fields = {"op": op} if rng.random() < 0.9 else {"ops": "join"}
             return Line(json.dumps(fields).encode() + b"\n", "unknown_op")
         if kind == "ready":  # before any join
-            return Line(message(op="ready"), "out_of_order")
+            return Line(request_line(Ready()), "out_of_order")
         if kind == "join fields":
             return Line(json.dumps(self._bad_join_fields()).encode() + b"\n", "bad_field")
         join, reason = self._failing_join()

@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from sglang_eaas.protocol.control import ReleaseSlots
 from sglang_eaas.protocol.lines import MAX_LINE
 from sglang_eaas.tools.fuzz.control_cases import (
-    OK, ControlCase, ControlCaseMaker, ControlTarget,
+    OK, ControlCase, ControlCaseMaker, ControlTarget, request_line,
 )
 
 MAX_REFUSAL = 1024  # bytes of one refusal line, newline included
@@ -125,7 +126,7 @@ def fill_every_slot(address: tuple[str, int], maker: ControlCaseMaker, free: int
         tally.expected["join_full"] += 1
         tally.by_kind["fill every slot, one join more"] += 1
         for sock, replies in held[:free]:
-            sock.sendall(b'{"op": "leave"}\n')
+            sock.sendall(request_line(ReleaseSlots()))
             wrong = _check_reply(replies.readline(MAX_LINE + 1), OK)
             if wrong:
                 tally.problem(f"leave after filling every slot: {wrong}")

@@ -22,7 +22,8 @@ from sglang_eaas import envs
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.launcher.local_servers import LocalServer, die_with_parent, start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.protocol.control import probe
+from sglang_eaas.holdings import ServerHoldings
+from sglang_eaas.protocol.control import ServerStats, probe
 from sglang_eaas.tools.fuzz.checks import Check, final_checks
 from sglang_eaas.tools.fuzz.control_cases import ControlCaseMaker, ControlTarget
 from sglang_eaas.tools.fuzz.control_fuzzer import ControlTally, fill_every_slot, run_control_fuzz
@@ -53,7 +54,7 @@ class FuzzResult:
     slot: SlotTally
     control: ControlTally
     good: GoodClientReport
-    stats: dict  # the fuzzed server's, at the end
+    stats: ServerStats  # the fuzzed server's, at the end
     checks: list[Check] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -131,7 +132,7 @@ def _fuzz(config: FuzzConfig, servers: list[LocalServer], good: GoodClientProces
     phases["control fuzz"] = time.monotonic() - started - phases["slot fuzz"]
     progress(f"control fuzz: {control.refused_messages} bad messages over "
              f"{control.connections} connections in {phases['control fuzz']:.1f} s")
-    clients_during = _stats(fuzzed, token).get("clients")
+    clients_during = _stats(fuzzed, token).clients
     # One last fill: no reservation or slot leaked over the whole run.
     host, _, port = fuzzed.rpartition(":")
     try:
@@ -149,12 +150,20 @@ def _fuzz(config: FuzzConfig, servers: list[LocalServer], good: GoodClientProces
     return FuzzResult(config, slot, control, report, stats[0], checks, phases)
 
 
-def _stats(address: str, token: str) -> dict:
-    """A server's stats; empty if it does not answer (the checks then fail, with reasons)."""
+# What stands for the stats of a server that does not answer: no count it could have made
+# (the checks then fail, with reasons).
+NO_ANSWER = ServerStats(fingerprint="", pid=0, num_experts=0, weight_bytes=0, expert_digests={},
+                        holdings=ServerHoldings(), adapter_paths={}, clients=-1, slots=-1,
+                        expert_load={}, control_refused={"no answer": 1},
+                        refused_connections=-1, counters={"requests": -1})
+
+
+def _stats(address: str, token: str) -> ServerStats:
+    """A server's stats; ``NO_ANSWER`` if it does not answer."""
     try:
         return probe(address, token)
     except TransportError:
-        return {}
+        return NO_ANSWER
 
 
 def _settled(address: str, token: str, control: ControlTally, timeout: float = 10.0) -> dict:
@@ -163,7 +172,7 @@ def _settled(address: str, token: str, control: ControlTally, timeout: float = 1
     deadline = time.monotonic() + timeout
     while True:
         stats = _stats(address, token)
-        counted = sum(stats.get("control_refused", {}).values())
+        counted = sum(stats.control_refused.values())
         if counted >= sum(control.expected.values()) or time.monotonic() > deadline:
             return stats
         time.sleep(0.05)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ibgda import RegionHandle, TransportError, create_transport
 from sglang_eaas.checkpoint import ModelIdentity
-from sglang_eaas.protocol.control import JoinReply
+from sglang_eaas.protocol.control import JoinRequest, Ready, ReleaseSlots
 from sglang_eaas.protocol.lines import Channel
 from sglang_eaas.protocol.header import HEADER_BYTES
 from sglang_eaas.tools.fuzz.slot_cases import (
@@ -71,23 +71,22 @@ class FuzzSlotClient:
         flag before ``ready`` (what a misbehaving client may do)."""
         self.channel = Channel(self.address, self.token)
         try:
-            reply = JoinReply.from_message(self.channel.call(
-                "join", client=self.name, fingerprint=self.identity.fingerprint,
-                dtype=self.dtype, transport="shm",
-                expert_digests=list(self.identity.expert_digests)))
+            reply = self.channel.call(JoinRequest(self.name, self.identity.fingerprint,
+                                                  self.dtype, "shm",
+                                                  list(self.identity.expert_digests)))
             handle = RegionHandle.from_dict(reply.region)
             self.region = create_transport(handle.backend).connect(handle)
             layout, base = reply.layout, reply.base
             if flag_before_ready is not None:
                 self.region.store_flag(base + layout.flag, flag_before_ready)
-            self.channel.call("ready")
+            self.channel.call(Ready())
         except BaseException:
             self.close()
             raise
         self.flag, self.bell, self.server_bell = base + layout.flag, base + layout.bell, reply.bell
         self.model = SlotModel(SlotShape(
             layout.max_tokens, layout.hidden_size, layout.top_k, int(layout.dtype),
-            tuple(reply.moe_layers), frozenset(reply.experts), self.num_experts),
+            tuple(reply.moe_layers), frozenset(reply.holdings.experts()), self.num_experts),
             last_seq=getattr(reply, "first_seq", 0))  # the join's sequence base, where given
         slot = self.region.mapped(base, layout.size).numpy()
 
@@ -158,7 +157,7 @@ class FuzzSlotClient:
         """Leave and wait for the server to take the slot back (a server gone needs none)."""
         try:
             if self.channel is not None:
-                self.channel.call("leave")
+                self.channel.call(ReleaseSlots())
         except TransportError:
             pass  # the server is gone: the final checks say so
         finally:

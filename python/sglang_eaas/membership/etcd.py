@@ -11,7 +11,8 @@ For multi-host deployments, where the monitor must outlive any one SGLang launch
   revision and wakes ``watch`` callers, who then read the whole prefix);
 * since anyone who reaches etcd can write keys, every record is **signed** with the shared token
   (``protocol.monitor.sign``): a record whose HMAC does not verify is ignored by every reader and
-  counted (``stats()["refused"]``), so a forged registration never reaches a routing table.
+  counted (``stats().control_refused``), so a forged registration never reaches a routing
+  table.
   (Guard the etcd endpoint itself with etcd's own TLS and users: the token only proves who wrote
   a record, it cannot stop a deletion.)
 * a member's load goes to ``/sglang-eaas/load/KIND/ID`` every few heartbeats, outside the
@@ -30,13 +31,17 @@ import json
 import logging
 import math
 import threading
+from dataclasses import replace
 from typing import Any, Callable
 
 from ibgda import TransportError
 from sglang_eaas.addresses import parse_address
-from sglang_eaas.monitor.base import MemberLost, MemberSession, MonitorBackend
+from sglang_eaas.holdings import ServerHoldings
+from sglang_eaas.membership.base import MemberLost, MemberSession, MonitorBackend
 from sglang_eaas.protocol.lines import ControlError
-from sglang_eaas.protocol.monitor import Departure, Member, Snapshot, sign, verify
+from sglang_eaas.protocol.monitor import (
+    Departure, Member, MonitorStats, Snapshot, sign, verify,
+)
 
 logger = logging.getLogger(__name__)
 PREFIX = "/sglang-eaas/"
@@ -62,7 +67,7 @@ class EtcdMonitor(MonitorBackend):
         self._revision = 0
         self._departures: collections.deque[Departure] = collections.deque(maxlen=DEPARTURES_KEPT)
         self._cancel: Callable[[], None] | None = None
-        self.refused: collections.Counter[str] = collections.Counter()
+        self._refused: dict[str, str] = {}  # etcd key -> why its record was refused
 
     def _call(self, fn: Callable, *args, **kwargs) -> Any:
         """``fn(...)``; any failure to reach etcd becomes ``TransportError``."""
@@ -118,13 +123,13 @@ class EtcdMonitor(MonitorBackend):
             try:
                 member = verify(value, self.token)
             except ControlError as exc:
-                self.refused[exc.reason] += 1
+                self._refused[meta["key"].decode()] = exc.reason
                 logger.warning("ignored the etcd record %s: %s", meta["key"].decode(), exc)
                 continue
             load = loads.get(f"{member.kind}/{member.id}")
             if load is not None:
                 try:
-                    member = Member(**{**member.to_message(), "load": json.loads(load)})
+                    member = replace(member, load=json.loads(load))
                 except ValueError:
                     pass
             members.append(member)
@@ -143,8 +148,13 @@ class EtcdMonitor(MonitorBackend):
                 return True
         return False
 
-    def stats(self) -> dict:
-        return {"refused": dict(self.refused)}
+    def stats(self) -> MonitorStats:
+        """What this reader counts: the records it refused (each once, however often read),
+        by reason, and the tier now."""
+        snapshot = self.watch(-1, 0.0)
+        refused = collections.Counter(self._refused.values())
+        return MonitorStats(snapshot.revision, len(snapshot.servers()), len(snapshot.clients()),
+                            dict(refused), 0, {})
 
     def session(self) -> "EtcdSession":
         return EtcdSession(self)
@@ -169,13 +179,19 @@ class EtcdSession(MemberSession):
         granted = self.monitor._call(self.client.post, self.client.get_url("/lease/grant"),
                                      json={"TTL": ttl, "ID": 0})
         self._lease = Lease(int(granted["ID"]), self.client)
-        self._member = Member(**{**member.to_message(), "incarnation": str(self._lease.id)})
+        self._member = replace(member, incarnation=str(self._lease.id))
         self._put(self._member)
         return self._member
 
     def _put(self, member: Member) -> None:
-        self.monitor._call(self.client.put, _key(MEMBERS, member),
-                           sign(member, self.monitor.token), lease=self._lease)
+        try:
+            self.monitor._call(self.client.put, _key(MEMBERS, member),
+                               sign(member, self.monitor.token), lease=self._lease)
+        except TransportError as exc:  # a put under an ended lease: the member is gone
+            if "lease not found" in str(getattr(exc.__cause__, "detail_text", "") or ""):
+                raise MemberLost(f"etcd {self.monitor.address}: lease of {member.id} "
+                                 "ended") from exc
+            raise
 
     def heartbeat(self, load: dict) -> None:
         if self._lease is None or self.monitor._call(self._lease.refresh) <= 0:
@@ -189,8 +205,8 @@ class EtcdSession(MemberSession):
         self._member = self._member.with_status(status)
         self._put(self._member)
 
-    def set_holdings(self, layer_experts: dict, adapter_experts: dict | None = None) -> None:
-        self._member = self._member.with_holdings(layer_experts, adapter_experts or {})
+    def set_holdings(self, holdings: ServerHoldings) -> None:
+        self._member = self._member.with_holdings(holdings)
         self._put(self._member)
 
     def leave(self) -> None:

@@ -5,7 +5,8 @@
   registry, OpenAI model names, ``/v1/models``, load/unload endpoints and the radix cache's
   per-adapter keys all apply to ESFT adapters unchanged;
 * ``init_lora_manager`` (around ``ModelRunner.init_lora_manager``): the rank's LoRA manager is
-  an ``EsftManager`` (``esft/manager.py``), not SGLang's ``LoRAManager``;
+  an ``EsftManager`` (``esft/manager.py``), not SGLang's ``LoRAManager``, given this rank's
+  ``EaasClient`` to place adapters' experts and reroute their tokens through;
 * ``resolve_adapter`` (around the OpenAI server's ``_resolve_lora_path``): SGLang takes an
   adapter from ``model`` only as ``BASE:ADAPTER`` and serves any other bare name as the base
   model; with ESFT adapters a bare ``model`` may also name a loaded adapter, and one that names

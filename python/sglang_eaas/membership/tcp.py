@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import threading
 
+from dataclasses import replace
+
 from ibgda import TransportError
-from sglang_eaas.monitor.base import MemberLost, MemberSession, MonitorBackend
-from sglang_eaas.protocol.lines import Channel, Refused
-from sglang_eaas.protocol.monitor import Member, Snapshot
+from sglang_eaas.holdings import ServerHoldings
+from sglang_eaas.membership.base import MemberLost, MemberSession, MonitorBackend
+from sglang_eaas.protocol.lines import Channel, Refused, Request
+from sglang_eaas.protocol.monitor import (
+    Heartbeat, Leave, Member, MonitorStats, Register, Report, SetHoldings, SetStatus, Snapshot,
+    TierStats, Watch,
+)
 
 PEER = "monitor"
 CALL_TIMEOUT = 10.0  # seconds for a reply that does not wait on purpose
@@ -19,7 +25,7 @@ class TcpMonitor(MonitorBackend):
         self._lock = threading.Lock()  # one caller at a time on the shared channel
         self._channel: Channel | None = None
 
-    def _call(self, op: str, patience: float = CALL_TIMEOUT, **fields) -> dict:
+    def _call(self, request: Request, patience: float = CALL_TIMEOUT):
         """One call on the shared channel, reconnecting once if the connection broke."""
         with self._lock:
             for attempt in range(2):
@@ -27,7 +33,7 @@ class TcpMonitor(MonitorBackend):
                     self._channel = Channel(self.address, self.token, CALL_TIMEOUT, PEER)
                 self._channel.settimeout(patience)
                 try:
-                    return self._channel.call(op, **fields)
+                    return self._channel.call(request)
                 except Refused:
                     raise
                 except TransportError:
@@ -41,14 +47,13 @@ class TcpMonitor(MonitorBackend):
         return TcpSession(self)
 
     def watch(self, after: int, timeout: float) -> Snapshot:
-        reply = self._call("watch", patience=timeout + CALL_TIMEOUT, after=after, timeout=timeout)
-        return Snapshot.from_message(reply["snapshot"])
+        return self._call(Watch(after, timeout), patience=timeout + CALL_TIMEOUT).snapshot
 
     def report(self, server: str, incarnation: str, why: str) -> bool:
-        return self._call("report", server=server, incarnation=incarnation, why=why)["evicted"]
+        return self._call(Report(server, incarnation, why)).evicted
 
-    def stats(self) -> dict:
-        return self._call("stats")["stats"]
+    def stats(self) -> MonitorStats:
+        return self._call(TierStats())
 
     def close(self) -> None:
         with self._lock:
@@ -64,33 +69,29 @@ class TcpSession(MemberSession):
         self._channel = Channel(monitor.address, monitor.token, CALL_TIMEOUT, PEER)
         self._incarnation = ""
 
-    def _call(self, op: str, **fields) -> dict:
+    def _call(self, request: Request):
         try:
-            return self._channel.call(op, **fields)
+            return self._channel.call(request)
         except Refused as exc:
             if exc.reason == "unknown_incarnation":
                 raise MemberLost(str(exc)) from None
             raise
 
     def register(self, member: Member, heartbeat: float) -> Member:
-        message = {k: v for k, v in member.to_message().items()
-                   if k not in ("incarnation", "beat_age")}
-        reply = self._call("register", member=message, heartbeat=heartbeat)
-        self._incarnation = reply["incarnation"]
-        return Member(**{**member.to_message(), "incarnation": self._incarnation})
+        self._incarnation = self._call(Register(member, heartbeat)).incarnation
+        return replace(member, incarnation=self._incarnation)
 
     def heartbeat(self, load: dict) -> None:
-        self._call("heartbeat", incarnation=self._incarnation, load=load)
+        self._call(Heartbeat(self._incarnation, load))
 
     def set_status(self, status: str) -> None:
-        self._call("set_status", incarnation=self._incarnation, status=status)
+        self._call(SetStatus(self._incarnation, status))
 
-    def set_holdings(self, layer_experts: dict, adapter_experts: dict | None = None) -> None:
-        self._call("set_holdings", incarnation=self._incarnation, layer_experts=layer_experts,
-                   adapter_experts=adapter_experts or {})
+    def set_holdings(self, holdings: ServerHoldings) -> None:
+        self._call(SetHoldings(self._incarnation, holdings))
 
     def leave(self) -> None:
-        self._call("leave", incarnation=self._incarnation)
+        self._call(Leave(self._incarnation))
 
     def close(self) -> None:
         self._channel.close()

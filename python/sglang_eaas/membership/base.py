@@ -11,7 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from ibgda import TransportError
-from sglang_eaas.protocol.monitor import Member, Snapshot
+from sglang_eaas.holdings import ServerHoldings
+from sglang_eaas.protocol.monitor import Member, MonitorStats, Snapshot
 
 
 class MemberLost(TransportError):
@@ -31,9 +32,8 @@ class MemberSession(ABC):
     def set_status(self, status: str) -> None: ...
 
     @abstractmethod
-    def set_holdings(self, layer_experts: dict, adapter_experts: dict | None = None) -> None:
-        """A server now holds ``layer_experts`` (``Member.layer_experts``'s form), of which
-        ``adapter_experts`` are ESFT adapter experts (``Member.adapter_experts``'s form)."""
+    def set_holdings(self, holdings: ServerHoldings) -> None:
+        """A server now holds ``holdings``."""
 
     @abstractmethod
     def leave(self) -> None: ...
@@ -56,6 +56,10 @@ class MonitorBackend(ABC):
     @abstractmethod
     def report(self, server: str, incarnation: str, why: str) -> bool:
         """Evict ``server`` (that incarnation) after a timeout; whether it was still there."""
+
+    @abstractmethod
+    def stats(self) -> MonitorStats:
+        """The monitor's counters (over etcd: what this reader refused)."""
 
     def close(self) -> None:
         pass

@@ -6,6 +6,12 @@ owner (a client must join its servers afresh). A beat is skipped while ``healthy
 (an expert server whose serving loop stalled), so the monitor loses a member that cannot serve
 even though its process answers. If the monitor itself is unreachable, the presence keeps
 trying to reconnect and register, once per period.
+
+A status or holdings change is kept for every later registration; if the monitor lost the
+member before the next heartbeat could tell (``MemberLost`` from the change itself), the change
+is no error for its caller (an expert server has already changed what it serves): the next
+heartbeat reports the loss and the one after registers again, with the change, as when a
+heartbeat finds the loss.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import threading
 from typing import Callable
 
 from ibgda import TransportError
-from sglang_eaas.monitor.base import MemberLost, MemberSession, MonitorBackend
+from sglang_eaas.holdings import ServerHoldings
+from sglang_eaas.membership.base import MemberLost, MemberSession, MonitorBackend
 from sglang_eaas.protocol.monitor import Member
 
 logger = logging.getLogger(__name__)
@@ -31,6 +38,7 @@ class Presence:
         self._session: MemberSession | None = None
         self.member: Member | None = None  # as registered (with its incarnation), or None
         self._status = member.status
+        self._found_lost: str | None = None  # a loss a change found between heartbeats
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="eaas-presence", daemon=True)
 
@@ -64,6 +72,9 @@ class Presence:
         """One heartbeat, or a registration when the member has none; why the monitor lost
         the member, if it did. Under the lock, so ``register_again`` cannot come in between."""
         with self._lock:
+            if self._found_lost is not None:
+                lost, self._found_lost = self._found_lost, None
+                return lost
             if self.member is None:
                 self._register()
                 logger.info("registered with the monitor %s again, as incarnation %s",
@@ -103,7 +114,7 @@ class Presence:
         """Register now as a new incarnation (the owner learned it was lost before the next
         heartbeat did)."""
         with self._lock:
-            self.member = None
+            self.member, self._found_lost = None, None
             self._register()
 
     def set_status(self, status: str) -> None:
@@ -111,17 +122,31 @@ class Presence:
         self._status = status
         with self._lock:
             if self._session is not None and self.member is not None:
-                self._session.set_status(status)
+                try:
+                    self._session.set_status(status)
+                except MemberLost as exc:
+                    self._lost_between_beats(exc)
 
-    def set_holdings(self, layer_experts: dict, adapter_experts: dict | None = None) -> None:
+    def set_holdings(self, holdings: ServerHoldings) -> None:
         """A server's experts per MoE layer (and which are adapter experts), now and in every
         later registration."""
-        adapter_experts = adapter_experts or {}
-        self._template = self._template.with_holdings(layer_experts, adapter_experts)
+        self._template = self._template.with_holdings(holdings)
         with self._lock:
             if self._session is not None and self.member is not None:
-                self._session.set_holdings(layer_experts, adapter_experts)
-                self.member = self.member.with_holdings(layer_experts, adapter_experts)
+                try:
+                    self._session.set_holdings(holdings)
+                except MemberLost as exc:
+                    self._lost_between_beats(exc)
+                    return
+                self.member = self.member.with_holdings(holdings)
+
+    def _lost_between_beats(self, exc: MemberLost) -> None:
+        """Under the lock: the monitor no longer has this registration (lost or evicted since
+        the last heartbeat). Left to the heartbeat thread, which tells the owner and registers
+        again, with the template (which has the change), unless ``healthy()`` is false."""
+        logger.info("the monitor no longer has %s %s (%s): found by a change; the heartbeat "
+                    "thread registers again", self._template.kind, self._template.id, exc)
+        self.member, self._found_lost = None, str(exc)
 
     def close(self) -> None:
         """Leave in order (the monitor tells the others at once) and stop heartbeating."""

@@ -1,0 +1,162 @@
+"""``HeldExperts``: everything an expert server holds, owned in one place.
+
+* ``layers``: the weights the serving loop computes with, one ``LayerExperts`` per MoE layer.
+  A change is staged (``swap_layer``) and applied by the serving loop between two batches
+  (``apply_swaps``), so a request is always computed with the rows it was checked against.
+* ``holdings``: what the server says it holds (to joining clients, in ``stats``, to the
+  monitor through ``announce``); it lists an expert only while its rows are in ``layers``.
+* ``digests``: the model experts' weight digests it knows (held, or read for a replica).
+* ``adapter_paths``: each ESFT adapter's directory (a peer copying its experts reads it).
+* ``retiring``: experts dropped but still computed until no request used them for a while.
+
+Each is replaced, never mutated in place, where another thread reads it; the changes come from
+``replicas.py`` (one at a time, under its lock), the reads from the serving loop, the control
+endpoint and the tier.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable, Mapping
+
+import torch
+
+from sglang_eaas.checkpoint import expert_digests
+from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
+from sglang_eaas.holdings import AdapterExpert, ServerHoldings
+from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.protocol.lines import ControlError
+
+SWAP_TIMEOUT = 30.0  # seconds a change waits for the serving loop to take a layer's weights
+
+
+class HeldExperts:
+    def __init__(self, model_path: str, info: MoeModelInfo, holdings: ServerHoldings,
+                 dtype: torch.dtype,
+                 announce: Callable[[ServerHoldings], None] = lambda held: None):
+        """Load ``holdings``' weights from ``model_path``; ``announce`` is told every change of
+        what the server says it holds."""
+        self.model_path, self.info, self.dtype, self._announce = model_path, info, dtype, announce
+        self.holdings = holdings
+        self.digests: Mapping[int, str] = expert_digests(model_path, info,
+                                                         list(holdings.experts()))
+        self.adapter_paths: Mapping[str, str] = {}
+        self.layers: Mapping[int, LayerExperts] = load_experts(model_path, info, dict(holdings),
+                                                               dtype)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._swaps: dict[int, LayerExperts | None] = {}  # applied by the loop between batches
+        self._swapped = threading.Condition()
+        self._looping = False  # a serving loop applies the swaps (else a swap applies at once)
+        self._retiring_lock = threading.Lock()
+        self.retiring: dict[int, dict[int, float]] = {}  # layer -> expert -> last request at
+
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.layers)
+
+    def count(self, counter: str, n: int = 1) -> None:
+        """Count ``n`` more of ``counter`` (in ``stats``: replicas added, fetch fallbacks...)."""
+        self.counters[counter] += n
+
+    # -- weights: staged by a change, applied by the serving loop -----------------------------
+    def swap_layer(self, layer: int, experts: LayerExperts | None) -> None:
+        """Serve ``layer`` with ``experts`` (None: no rows left) from the serving loop's next
+        pass on, between two batches. Returns once swapped."""
+        with self._swapped:
+            self._swaps[layer] = experts
+            if not self._looping:
+                self._apply()
+            elif not self._swapped.wait_for(lambda: layer not in self._swaps,
+                                            timeout=SWAP_TIMEOUT):
+                raise ControlError("busy", f"the serving loop did not take MoE layer {layer}'s "
+                                   f"new experts within {SWAP_TIMEOUT:.0f}s")
+
+    def apply_swaps(self) -> None:
+        """The serving loop, between batches: the staged layers replace the served ones."""
+        if self._swaps:
+            with self._swapped:
+                self._apply()
+
+    def serving(self, looping: bool) -> None:
+        """The serving loop starts (True) or ends (False: what is staged applies now)."""
+        with self._swapped:
+            self._looping = looping
+            if not looping:
+                self._apply()
+
+    def _apply(self) -> None:
+        """Under ``_swapped``: the staged layers replace the served ones (a new dict)."""
+        layers = dict(self.layers)
+        for layer, experts in self._swaps.items():
+            if experts is None:
+                layers.pop(layer, None)
+            else:
+                layers[layer] = experts
+        self.layers, self._swaps = layers, {}
+        self._swapped.notify_all()
+
+    # -- what the server says it holds ---------------------------------------------------------
+    def say_held(self, layer: int, experts: list[int],
+                 adapters: Mapping[int, AdapterExpert] | None = None) -> None:
+        """Say that the server holds ``experts`` in ``layer`` (of which ``adapters`` are ESFT
+        adapter experts, added to those described): to joining clients, in ``stats``, and to
+        the monitor (whose clients then change their tables)."""
+        self.holdings = self.holdings.with_layer(layer, experts, adapters)
+        self._announce(self.holdings)
+
+    def learn_digests(self, digests: Mapping[int, str]) -> None:
+        """The digests of model experts it now holds too."""
+        self.digests = {**self.digests, **digests}
+
+    def digests_of(self, experts: list[int]) -> dict[int, str]:
+        """The digests of ``experts`` (from the checkpoint for those it has none of)."""
+        missing = [e for e in experts if e not in self.digests]
+        known = {**self.digests, **(expert_digests(self.model_path, self.info, missing)
+                                    if missing else {})}
+        return {e: known[e] for e in experts}
+
+    def adapter_from(self, adapter: str, path: str) -> None:
+        """``adapter``'s experts it holds are read from the directory ``path``."""
+        self.adapter_paths = {**self.adapter_paths, adapter: path}
+
+    # -- retiring: dropped, still computed until quiet ---------------------------------------
+    def retire(self, layer: int, experts: list[int]) -> None:
+        now = time.monotonic()
+        with self._retiring_lock:
+            self.retiring.setdefault(layer, {}).update({e: now for e in experts})
+
+    def keep(self, layer: int, experts: list[int]) -> list[int]:
+        """Those of ``experts`` still retiring in ``layer``, no longer retiring (their rows are
+        still loaded)."""
+        with self._retiring_lock:
+            back = [e for e in experts if e in self.retiring.get(layer, {})]
+            for e in back:
+                del self.retiring[layer][e]
+        return back
+
+    def used(self, layer: int, ids: torch.Tensor) -> None:
+        """The serving loop saw a request of ``layer`` with ``ids``: a retiring expert among
+        them is not quiet yet."""
+        retiring = self.retiring.get(layer)
+        if retiring:
+            present = set(torch.unique(ids).tolist())
+            now = time.monotonic()
+            with self._retiring_lock:
+                for e in list(retiring):
+                    if e in present:
+                        retiring[e] = now
+
+    def quiet(self, grace: float) -> tuple[dict[int, list[int]], bool]:
+        """The retiring experts no request used for ``grace`` seconds, per layer, no longer
+        retiring (their rows are the caller's to free); and whether none is left retiring."""
+        with self._retiring_lock:
+            now = time.monotonic()
+            quiet = {layer: [e for e, at in experts.items() if now - at >= grace]
+                     for layer, experts in self.retiring.items()}
+            quiet = {layer: ids for layer, ids in quiet.items() if ids}
+            for layer, ids in quiet.items():
+                for e in ids:
+                    del self.retiring[layer][e]
+            self.retiring = {k: v for k, v in self.retiring.items() if v}
+            return quiet, not self.retiring

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Rerun every benchmark of docs/benchmarks.md, one after the other, then paste the reports into
+# it (scripts/bench_paste.py). Prints each run's wall time and the total, so the doc can say how
+# long a full rerun takes. Run it on an otherwise idle machine, on a committed tree (each
+# report's header names the commit, '-dirty' otherwise).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="${SGLANG_EAAS_VENV:-$root/.venv}/bin/python"
+runs=(
+  "scripts/bench_eaas.py"
+  "scripts/bench_ablation.py"
+  "scripts/bench_serving.py"
+  "scripts/bench_expert_math.py"
+  "scripts/bench_layer.py"
+  "scripts/bench_p2p.py"
+  "scripts/bench_faults.py"
+  "scripts/bench_faults.py --fault stop --out .cache/bench/faults-stop.md"
+  "scripts/bench_faults.py --fault replace --kills 2 --duration 40"
+  "scripts/bench_balance.py"
+  "scripts/bench_balance.py --no-live --shifts '' --batch 256 --requests-per-half 512 --out .cache/bench/balance-zipf256.md"
+  "scripts/bench_balance.py --window 1 --no-live --shifts A:B --zipf 1.4 --out .cache/bench/balance-window1.md"
+  "scripts/bench_balance_scale.py"
+  "scripts/bench_esft.py"
+)
+began=$SECONDS
+for run in "${runs[@]}"; do
+  start=$SECONDS
+  echo "bench_all: $run" >&2
+  eval "\"$py\" $run"
+  echo "bench_all: $run took $((SECONDS - start)) s" >&2
+done
+"$py" scripts/bench_paste.py
+echo "bench_all: every benchmark in $((SECONDS - began)) s ($(( (SECONDS - began) / 60 )) min)" >&2
