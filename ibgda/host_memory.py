@@ -20,7 +20,7 @@ from ibgda.region import LocalRegion, RegionHandle, RemoteRegion, as_bytes, chec
 
 
 class HostMemory:
-    """A bounds-checked mapping; ``release`` unmaps it (views still alive keep it mapped)."""
+    """A bounds-checked mapping; after ``release`` it goes with its last tensor view."""
 
     def __init__(self, handle: RegionHandle, mapping: mmap.mmap):
         self.handle, self._mmap = handle, mapping
@@ -61,16 +61,16 @@ class HostMemory:
 
     @property
     def closed(self) -> bool:
-        return self._mmap.closed
+        return self._mmap is None
 
     def release(self) -> None:
-        if self._mmap.closed:
+        """Forget the mapping; it is unmapped once no tensor view of it is left. Each view holds
+        a reference to the ``mmap`` (``torch.frombuffer`` keeps the object, not a buffer
+        export), so closing the ``mmap`` here would unmap memory a view still reads."""
+        if self._mmap is None:
             return
         del self.bytes, self._anchor
-        try:
-            self._mmap.close()
-        except BufferError:  # a tensor view is still alive; the mapping goes with it
-            pass
+        self._mmap = None
 
 
 class HostLocalRegion(LocalRegion):

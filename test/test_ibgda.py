@@ -84,3 +84,17 @@ def test_writer_killed_mid_write_never_publishes_a_torn_payload(backend, monkeyp
         assert torn_deaths, "no kill landed mid-write: the scenario was never exercised"
     finally:
         region.close()
+
+
+@pytest.mark.parametrize("backend", ["shm", "mooncake"])
+def test_a_closed_region_stays_mapped_while_a_view_of_it_lives(backend, monkeypatch):
+    """Closing a region (and, on shm, unlinking its file) never unmaps memory a tensor view
+    still reads: the weight fabric drops layer versions whose rows a batch may still use."""
+    transport = backend_transport(backend, monkeypatch)
+    region = transport.create_region(1 << 16)
+    region.view(0, 1 << 16).fill_(7)
+    view = region.view(4096, 8192)
+    region.close()
+    assert int(view.sum()) == 7 * 8192  # would segfault if unmapped
+    view.fill_(1)
+    assert int(view.sum()) == 8192
