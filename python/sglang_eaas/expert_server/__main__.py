@@ -35,6 +35,11 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--layer-experts", action="append", default=[], metavar="LAYER=SPEC",
                    help="the experts to hold in one MoE layer instead ('1=4-7'; 'none' holds "
                    "none there); repeat for more layers")
+    p.add_argument("--standby", action="store_true",
+                   help="start holding no experts, warm (model config read, kernels built, "
+                   "registered with --monitor, which it needs), to be filled by a placement: a "
+                   "resize (python -m sglang_eaas.tools.scale) takes standby servers before it "
+                   "starts new ones")
     p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="control endpoint where clients join (port 0: pick a free one and print "
                    "it); default %(default)s")
@@ -80,6 +85,15 @@ def parse_args(argv: list[str] | None = None):
                    help="with --kernel fast: hand the kernel every expert of the layer, empty "
                    "ones included, instead of only the active ones (group shrink), for "
                    "ablations; the outputs are the same")
+    p.add_argument("--weight-fabric", default="map", choices=["map", "copy", "off"],
+                   help="where the weights live and how replicas are filled from a peer: 'map' "
+                   "keeps every layer in a region of the weight fabric (shared memory with "
+                   "--transport shm, Mooncake with mooncake) that peers read one-sidedly, and "
+                   "maps a peer's layer in place, without a copy, where this server holds none "
+                   "of that layer yet and the peer is on this host with the same dtype; 'copy' "
+                   "always reads a peer's rows into its own region; 'off' keeps weights in "
+                   "plain memory and moves them over the control channel (the slow path; "
+                   "docs/elastic.md); default %(default)s")
     p.add_argument("--monitor", default="", metavar="ADDR",
                    help="register with this monitor, so that clients find this server, start "
                    "sending to it at their next step and fail over when it is lost: an SGLang "
@@ -114,6 +128,10 @@ def parse_args(argv: list[str] | None = None):
         return args, token
     if args.model_path is None:
         p.error("--model-path is required (unless --drain)")
+    if args.standby and (args.experts is not None or args.layer_experts):
+        p.error("--standby starts holding no experts: leave out --experts and --layer-experts")
+    if args.standby and not args.monitor:
+        p.error("--standby needs --monitor: a standby server is found through its monitor")
     if args.monitor:
         try:
             parse_monitor(args.monitor, embedded_ok=False)
@@ -141,10 +159,10 @@ def parse_args(argv: list[str] | None = None):
                                                                     info.num_experts)
         layer_experts = _layer_experts(args.layer_experts, info)
         held = {e for ids in [experts, *layer_experts.values()] for e in ids}
-        if not held:
+        if not held and not args.standby:
             raise PlacementError("an expert server holds at least one expert: give --experts "
-                                 "or --layer-experts")
-        if max(held) >= info.num_experts:
+                                 "or --layer-experts (or start it empty with --standby)")
+        if held and max(held) >= info.num_experts:
             raise PlacementError(f"expert {max(held)} does not exist: the model has "
                                  f"{info.num_experts}")
     except (ModelError, PlacementError) as exc:
@@ -155,7 +173,7 @@ def parse_args(argv: list[str] | None = None):
         max_tokens=args.max_tokens, min_batch_tokens=args.min_batch_tokens,
         max_wait_us=args.max_wait_us, poll_spin_us=args.poll_spin_us, threads=args.threads,
         layer_experts=layer_experts, monitor=args.monitor, heartbeat=args.heartbeat,
-        kernel=args.kernel, shrink=not args.disable_shrink,
+        kernel=args.kernel, shrink=not args.disable_shrink, weight_fabric=args.weight_fabric,
     )
 
 
@@ -226,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    held = (f"experts {list(config.experts)}" if not config.layer_experts else
+    held = ("standby: no experts (filled by a placement)" if args.standby else
+            f"experts {list(config.experts)}" if not config.layer_experts else
             f"experts per MoE layer {server.held.holdings}")
     print(f"sglang-eaas expert server ready on {server.address}: {held} of "
           f"{server.info.num_experts}, "

@@ -17,7 +17,7 @@ from sglang_eaas.endpoint import LineEndpoint
 from sglang_eaas.expert_server.replicas import weights_chunk
 from sglang_eaas.protocol.control import (
     OPS, SLOTS_PER_CONNECTION, AddExperts, Drain, Drained, DropExperts, ExpertWeights,
-    JoinRequest,
+    ExportWeights, JoinRequest, ReleaseWeights,
 )
 from sglang_eaas.protocol.lines import ControlError, Done, Message
 
@@ -66,6 +66,10 @@ class ControlSession:
             return self.server.replicas.add(AddExperts.from_message(message))
         if op == "drop_experts":
             return self.server.replicas.drop(DropExperts.from_message(message))
+        if op == "export_weights":
+            return self.server.exports.export(ExportWeights.from_message(message))
+        if op == "release_weights":
+            return self.server.exports.release(ReleaseWeights.from_message(message))
         if op == "expert_weights":
             return weights_chunk(self.server, ExpertWeights.from_message(message))
         self.closing = True  # leave

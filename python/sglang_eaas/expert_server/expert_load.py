@@ -18,12 +18,12 @@ from typing import Iterable, NamedTuple
 import numpy as np
 import torch
 
-from sglang_eaas.expert_server.experts import LayerExperts, held
+from sglang_eaas.expert_server.experts import LayerExperts, row_experts
 
 
 class _Current(NamedTuple):
     layer: weakref.ref  # the LayerExperts counted (weak: a dropped layer's weights go)
-    ids: np.ndarray  # its rows' global expert ids
+    ids: np.ndarray  # its rows' global expert ids (-1: a row no id maps to)
     load: torch.Tensor  # [2, E_local] int64: entries, ns
 
 
@@ -41,15 +41,20 @@ class ExpertLoad:
         current = self._current.get(layer_id)
         if current is not None and current.layer() is layer:
             return current.load
-        fresh = _Current(weakref.ref(layer), np.asarray(held(layer), dtype=np.int64),
+        fresh = _Current(weakref.ref(layer), row_experts(layer),
                          torch.zeros(2, layer.w13.shape[0], dtype=torch.int64))
         with self._lock:
             if current is not None:
-                self._grow(layer_id, current.ids)
-                self._folded[layer_id][:, current.ids] += current.load.numpy()
+                self._fold(self._folded, layer_id, current)
             self._grow(layer_id, fresh.ids)
             self._current[layer_id] = fresh
         return fresh.load
+
+    def _fold(self, into: dict[int, np.ndarray], layer_id: int, current: _Current) -> None:
+        """Under the lock: add ``current``'s load to ``into[layer_id]`` by global id (its ids
+        were made room for when it began)."""
+        used = current.ids >= 0
+        into[layer_id][:, current.ids[used]] += current.load.numpy()[:, used]
 
     def _grow(self, layer_id: int, ids: np.ndarray) -> None:
         """Under the lock: room for ``ids`` (ESFT adapter experts' physical ids pass the
@@ -65,7 +70,7 @@ class ExpertLoad:
         with self._lock:
             totals = {layer: folded.copy() for layer, folded in self._folded.items()}
             for layer, current in self._current.items():
-                totals[layer][:, current.ids] += current.load.numpy()
+                self._fold(totals, layer, current)
         return totals
 
     def per_expert(self) -> dict[int, dict[int, tuple[int, int]]]:

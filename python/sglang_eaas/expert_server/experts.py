@@ -1,8 +1,9 @@
 """The routed experts an expert server holds, loaded straight from the safetensors files.
 
 No model is instantiated: for each MoE layer only the gate/up/down tensors of this server's
-experts are read (safetensors maps the files; each tensor is copied out once), so resident
-memory grows with the number of experts held, not with the model.
+experts are read (safetensors maps the files; each tensor is copied once, into the layer's
+rows), so resident memory grows with the number of experts held, not with the model. Where the
+rows live is the ``WeightStore``'s choice (a region of the weight fabric, or plain memory).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
 from sglang_eaas.checkpoint import tensor_files
+from sglang_eaas.expert_server.weight_store import WeightBacking, WeightStore
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 
 
@@ -25,12 +28,15 @@ class LayerExperts:
 
     ``w13 [E_local, 2 * I, H]`` (gate rows, then up rows) and ``w2 [E_local, H, I]`` exactly as
     SGLang's FusedMoE stores them; ``local_index [num_experts]`` maps a global expert id to its
-    row here, -1 for experts this server does not hold.
+    row here, -1 for experts this server does not hold. A row no id maps to is never read
+    (a layer mapped from a peer keeps the peer's rows). ``backing``: the fabric region the rows
+    live in (None: plain memory).
     """
 
     w13: torch.Tensor
     w2: torch.Tensor
     local_index: torch.Tensor
+    backing: WeightBacking | None = None
 
     def run(self, local_expert: int, x: torch.Tensor) -> torch.Tensor:
         """``expert(x)`` for ``x [n, H]``; the same ops as SGLang's ``moe_forward_native``."""
@@ -41,10 +47,12 @@ class LayerExperts:
 
 def load_experts(model_path: str | Path, info: MoeModelInfo,
                  experts: list[int] | Mapping[int, list[int]],
-                 dtype: torch.dtype) -> dict[int, LayerExperts]:
+                 dtype: torch.dtype, store: WeightStore | None = None) -> dict[int, LayerExperts]:
     """``{layer_id: LayerExperts}``: ``experts`` (global ids) in every MoE layer, or per layer
-    (``{layer: ids}``; a layer with no ids, or not named, is not held at all)."""
+    (``{layer: ids}``; a layer with no ids, or not named, is not held at all); their rows where
+    ``store`` puts them (plain memory by default)."""
     model_path = Path(model_path)
+    store = store or WeightStore(None, info, dtype)
     by_layer = ({layer: list(experts) for layer in info.moe_layers}
                 if not isinstance(experts, Mapping) else
                 {layer: list(ids) for layer, ids in experts.items() if ids})
@@ -56,34 +64,38 @@ def load_experts(model_path: str | Path, info: MoeModelInfo,
     if bad:
         raise ModelError(f"experts {bad} do not exist: the model has {info.num_experts}")
     files = tensor_files(model_path)
-    wanted: dict[Path, list[str]] = {}
+    wanted: dict[Path, list[tuple[str, int, int, int]]] = {}  # file -> (tensor, layer, row, part)
     for layer, ids in by_layer.items():
-        for expert in ids:
-            for name in info.expert_tensor_names(layer, expert):
+        for row, expert in enumerate(ids):
+            for part, name in enumerate(info.expert_tensor_names(layer, expert)):
                 if name not in files:
                     raise ModelError(f"tensor {name} is missing from {model_path}")
-                wanted.setdefault(files[name], []).append(name)
-    tensors: dict[str, torch.Tensor] = {}
-    for file, names in wanted.items():
-        with safe_open(file, "pt") as f:
-            for name in names:
-                tensors[name] = f.get_tensor(name).to(dtype)
+                wanted.setdefault(files[name], []).append((name, layer, row, part))
     layers = {}
     for layer, ids in by_layer.items():
-        local_index = torch.full((info.num_experts,), -1, dtype=torch.long)
-        local_index[torch.tensor(ids, dtype=torch.long)] = torch.arange(len(ids))
-        gates, ups, downs = zip(*(
-            [tensors.pop(n) for n in info.expert_tensor_names(layer, e)] for e in ids))
-        layers[layer] = LayerExperts(
-            w13=torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)]),
-            w2=torch.stack(downs),
-            local_index=local_index,
-        )
+        w13, w2, backing = store.empty(len(ids))
+        layers[layer] = LayerExperts(w13, w2, index_of(ids, info.num_experts), backing)
+    inter = info.moe_intermediate_size
+    for file, names in wanted.items():
+        with safe_open(file, "pt") as f:
+            for name, layer, row, part in names:
+                rows = layers[layer]
+                dst = (rows.w13[row, :inter], rows.w13[row, inter:], rows.w2[row])[part]
+                dst.copy_(f.get_tensor(name))  # gate, up, down (expert_tensor_names' order)
     return layers
 
 
+def index_of(experts: list[int], size: int) -> torch.Tensor:
+    """``local_index [size]``: ``experts[i]`` at row ``i``, -1 elsewhere."""
+    index = torch.full((size,), -1, dtype=torch.long)
+    index[torch.tensor(experts, dtype=torch.long)] = torch.arange(len(experts))
+    return index
+
+
 def weight_bytes(layers: dict[int, LayerExperts]) -> int:
-    return sum(le.w13.nbytes + le.w2.nbytes for le in layers.values())
+    """The bytes of the rows held (a layer mapped from a peer counts only the rows it uses)."""
+    return sum(int((le.local_index >= 0).sum()) * (le.w13[0].nbytes + le.w2[0].nbytes)
+               for le in layers.values() if le.w13.shape[0])
 
 
 def held(layer: LayerExperts) -> list[int]:
@@ -92,31 +104,50 @@ def held(layer: LayerExperts) -> list[int]:
     return [int(e) for e in rows[torch.argsort(layer.local_index[rows])]]
 
 
+def row_experts(layer: LayerExperts) -> np.ndarray:
+    """``[rows]`` int64: each row's global expert id, -1 for a row no id maps to."""
+    ids = np.full(layer.w13.shape[0], -1, dtype=np.int64)
+    index = layer.local_index.numpy()
+    mapped = np.flatnonzero(index >= 0)
+    ids[index[mapped]] = mapped
+    return ids
+
+
+def grown(base: LayerExperts | None, experts: list[int], size: int, store: WeightStore
+          ) -> tuple[LayerExperts, torch.Tensor, torch.Tensor]:
+    """A new version of a layer in ``store``: ``base``'s experts (the rows of those it holds,
+    in their order; None: a layer not held yet), then rows for ``experts``, which the caller
+    fills through the returned ``w13``, ``w2`` views of them. ``size``: the local index's
+    length at least (ESFT adapter experts' physical ids pass the model's expert count)."""
+    kept = [] if base is None else held(base)
+    size = max([size, *(e + 1 for e in experts)]
+               + ([] if base is None else [base.local_index.numel()]))
+    out13, out2, backing = store.empty(len(kept) + len(experts))
+    if kept:
+        rows = base.local_index[torch.tensor(kept, dtype=torch.long)]
+        torch.index_select(base.w13, 0, rows, out=out13[:len(kept)])
+        torch.index_select(base.w2, 0, rows, out=out2[:len(kept)])
+    layer = LayerExperts(out13, out2, index_of(kept + list(experts), size), backing)
+    return layer, out13[len(kept):], out2[len(kept):]
+
+
 def with_experts(layer: LayerExperts | None, experts: list[int], w13: torch.Tensor,
-                 w2: torch.Tensor, num_experts: int) -> LayerExperts:
-    """A new ``LayerExperts``: ``layer``'s rows (same local rows), then ``experts`` (rows of
-    ``w13``/``w2``). ``layer`` None: a layer this server did not hold. Ids past
-    ``num_experts`` (ESFT adapter experts' physical ids) grow the local index."""
-    size = max([num_experts, *(e + 1 for e in experts)]
-               + ([] if layer is None else [layer.local_index.numel()]))
-    if layer is None:
-        index = torch.full((size,), -1, dtype=torch.long)
-        index[torch.tensor(experts, dtype=torch.long)] = torch.arange(len(experts))
-        return LayerExperts(w13.contiguous(), w2.contiguous(), index)
-    index = torch.full((size,), -1, dtype=torch.long)
-    index[:layer.local_index.numel()] = layer.local_index
-    index[torch.tensor(experts, dtype=torch.long)] = torch.arange(
-        layer.w13.shape[0], layer.w13.shape[0] + len(experts))
-    return LayerExperts(torch.cat([layer.w13, w13.to(layer.w13.dtype)]),
-                        torch.cat([layer.w2, w2.to(layer.w2.dtype)]), index)
+                 w2: torch.Tensor, num_experts: int, store: WeightStore) -> LayerExperts:
+    """``grown`` with ``experts``' rows from ``w13``/``w2`` (any dtype)."""
+    made, new13, new2 = grown(layer, experts, num_experts, store)
+    new13.copy_(w13)
+    new2.copy_(w2)
+    return made
 
 
-def without_experts(layer: LayerExperts, experts: list[int]) -> LayerExperts | None:
-    """A new ``LayerExperts`` without ``experts``' rows (None: nothing left)."""
+def without_experts(layer: LayerExperts, experts: list[int], store: WeightStore
+                    ) -> LayerExperts | None:
+    """A new ``LayerExperts`` in ``store`` without ``experts``' rows (None: nothing left)."""
     keep = [e for e in held(layer) if e not in set(experts)]
     if not keep:
         return None
     rows = layer.local_index[torch.tensor(keep, dtype=torch.long)]
-    index = torch.full_like(layer.local_index, -1)
-    index[torch.tensor(keep, dtype=torch.long)] = torch.arange(len(keep))
-    return LayerExperts(layer.w13[rows].contiguous(), layer.w2[rows].contiguous(), index)
+    out13, out2, backing = store.empty(len(keep))
+    torch.index_select(layer.w13, 0, rows, out=out13)
+    torch.index_select(layer.w2, 0, rows, out=out2)
+    return LayerExperts(out13, out2, index_of(keep, layer.local_index.numel()), backing)

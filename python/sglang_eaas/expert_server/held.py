@@ -1,6 +1,7 @@
 """``HeldExperts``: everything an expert server holds, owned in one place.
 
-* ``layers``: the weights the serving loop computes with, one ``LayerExperts`` per MoE layer.
+* ``layers``: the weights the serving loop computes with, one ``LayerExperts`` per MoE layer,
+  each version in a region of the weight fabric (``store``) or in plain memory.
   A change is staged (``swap_layer``) and applied by the serving loop between two batches
   (``apply_swaps``), so a request is always computed with the rows it was checked against.
 * ``holdings``: what the server says it holds (to joining clients, in ``stats``, to the
@@ -25,6 +26,7 @@ import torch
 
 from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
+from sglang_eaas.expert_server.weight_store import WeightStore
 from sglang_eaas.holdings import AdapterExpert, ServerHoldings
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol.lines import ControlError
@@ -34,17 +36,18 @@ SWAP_TIMEOUT = 30.0  # seconds a change waits for the serving loop to take a lay
 
 class HeldExperts:
     def __init__(self, model_path: str, info: MoeModelInfo, holdings: ServerHoldings,
-                 dtype: torch.dtype,
+                 store: WeightStore,
                  announce: Callable[[ServerHoldings], None] = lambda held: None):
-        """Load ``holdings``' weights from ``model_path``; ``announce`` is told every change of
-        what the server says it holds."""
-        self.model_path, self.info, self.dtype, self._announce = model_path, info, dtype, announce
+        """Load ``holdings``' weights from ``model_path`` into ``store`` (its dtype); ``announce``
+        is told every change of what the server says it holds."""
+        self.model_path, self.info, self._announce = model_path, info, announce
+        self.store, self.dtype = store, store.dtype
         self.holdings = holdings
         self.digests: Mapping[int, str] = expert_digests(model_path, info,
                                                          list(holdings.experts()))
         self.adapter_paths: Mapping[str, str] = {}
         self.layers: Mapping[int, LayerExperts] = load_experts(model_path, info, dict(holdings),
-                                                               dtype)
+                                                               self.dtype, store)
         self.counters: collections.Counter[str] = collections.Counter()
         self._swaps: dict[int, LayerExperts | None] = {}  # applied by the loop between batches
         self._swapped = threading.Condition()

@@ -1,12 +1,12 @@
 """Changing what an expert server holds while it serves (``add_experts``, ``drop_experts``).
 
-* **Add**: the weights are read from a peer server that holds them (``expert_weights``, chunk
-  by chunk over its control endpoint; the peer's digest of the expert must equal this server's,
-  and the bytes' sha256 must match), from the checkpoint on disk if no peer is given or the peer
-  fails. The new ``LayerExperts`` (old rows first, so a request already collected keeps its
-  rows) is swapped in by the serving loop between batches; only then does the server say it
-  holds them (``stats``, the monitor's ``set_holdings``), so no client sends an expert before
-  it can be computed.
+* **Add**: the weights come from a peer server that holds them: over the weight fabric
+  (``fabric.py``: mapped in place, or read one-sidedly), else chunk by chunk over its control
+  endpoint (``expert_weights``; the bytes' sha256 must match); either way the peer's digest of
+  each expert must equal this server's. From the checkpoint on disk if no peer is given or the
+  peer fails. The layer's next version is swapped in by the serving loop between batches; only
+  then does the server say it holds them (``stats``, the monitor's ``set_holdings``), so no
+  client sends an expert before it can be computed.
 * **Drop**: the server says at once that it no longer holds them (clients stop sending them at
   their next step), keeps answering for them while requests still come, and frees their rows
   once none came for ``grace`` seconds.
@@ -25,7 +25,10 @@ import torch
 
 from ibgda import TransportError
 from sglang_eaas.esft.adapter import AdapterError, load_adapter
-from sglang_eaas.expert_server.experts import load_experts, with_experts, without_experts
+from sglang_eaas.expert_server.experts import (
+    LayerExperts, load_experts, with_experts, without_experts,
+)
+from sglang_eaas.expert_server.fabric import FabricReader
 from sglang_eaas.holdings import AdapterExpert
 from sglang_eaas.protocol.control import (
     WEIGHT_CHUNK, WEIGHT_TENSORS, AddExperts, DropExperts, ExpertWeights, HoldingsChange, Stats,
@@ -47,6 +50,8 @@ class Replicas:
 
     def __init__(self, server: "ExpertServer"):
         self.server, self.held = server, server.held
+        self.fabric = FabricReader(server.held.store, server.config.weight_fabric,
+                                   server.config.token, FETCH_TIMEOUT)
         self._change = threading.Lock()  # one add or drop at a time
         self._retirer: threading.Thread | None = None
 
@@ -71,10 +76,9 @@ class Replicas:
                     loaded = load_experts(held.model_path, held.info, {layer: new}, held.dtype)
                     return loaded[layer].w13, loaded[layer].w2
 
-                w13, w2, from_peer, from_disk = self._weights(
+                made, from_peer, from_disk = self._next_version(
                     layer, new, request.source, digests, disk, held.model_path)
-                held.swap_layer(layer, with_experts(held.layers.get(layer), new, w13, w2,
-                                                    held.info.num_experts))
+                held.swap_layer(layer, made)
                 held.learn_digests(digests)
             held.say_held(layer, sorted(advertised | set(request.experts)))
             held.count("replicas_added", len(new) + len(back))
@@ -119,16 +123,15 @@ class Replicas:
             new = [p for p in wanted if p not in advertised]
             stale = held.keep(layer, new)
             if stale:  # an unloaded adapter's rows, still retiring: other weights now
-                held.swap_layer(layer, without_experts(held.layers[layer], stale))
+                held.swap_layer(layer, without_experts(held.layers[layer], stale, held.store))
             from_peer, from_disk = [], []
             if new:
                 bases = [wanted[p].base for p in new]
-                w13, w2, from_peer, from_disk = self._weights(
+                made, from_peer, from_disk = self._next_version(
                     layer, new, request.source, {p: wanted[p].digest for p in new},
                     lambda: adapter.load_weights(info, layer, bases, held.dtype),
                     request.adapter_path, adapter=True)
-                held.swap_layer(layer, with_experts(held.layers.get(layer), new, w13, w2,
-                                                    info.num_experts))
+                held.swap_layer(layer, made)
             held.adapter_from(request.adapter, request.adapter_path)
             held.say_held(layer, sorted(advertised | set(wanted)), wanted)
             held.count("adapter_experts_added", len(new))
@@ -170,25 +173,41 @@ class Replicas:
                 change.from_disk + added.from_disk)
         return change
 
-    def _weights(self, layer: int, experts: list[int], source: str, digests: dict[int, str],
-                 from_disk: Callable[[], tuple[torch.Tensor, torch.Tensor]], disk: str,
-                 adapter: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-        """``w13 [n, 2I, H]``, ``w2 [n, H, I]`` of ``experts`` in this server's dtype, from the
-        peer ``source`` (``digests``: this server's digest of each, the peer's must match;
-        ``adapter``: adapter experts by physical id), else ``from_disk()`` (reading ``disk``).
-        Also which came from the peer and which from disk."""
+    def _next_version(self, layer: int, experts: list[int], source: str,
+                      digests: dict[int, str],
+                      from_disk: Callable[[], tuple[torch.Tensor, torch.Tensor]], disk: str,
+                      adapter: bool = False) -> tuple[LayerExperts, list[int], list[int]]:
+        """``layer``'s next version: what it holds, then ``experts`` (``adapter``: adapter
+        experts by physical id), from the peer ``source`` (``digests``: this server's digest of
+        each, the peer's must match) over the weight fabric, else over its control endpoint,
+        else ``from_disk()`` (``w13 [n, 2I, H]``, ``w2 [n, H, I]``, reading ``disk``). Also
+        which experts came from the peer and which from disk."""
+        held = self.held
+        base, num_experts = held.layers.get(layer), held.info.num_experts
+        if source and self.fabric.enabled:
+            try:
+                fill = self.fabric.fill(source, layer, base, experts, digests, num_experts,
+                                        adapter)
+                held.count("replicas_mapped" if fill.mapped else "replicas_read", len(experts))
+                held.count("fabric_bytes_read", fill.bytes_read)
+                return fill.layer, list(experts), []
+            except (TransportError, ControlError, ValueError) as exc:
+                held.count("fabric_fallbacks")
+                logger.warning("MoE layer %d: could not read experts %s from %s over the weight "
+                               "fabric (%s); asking over its control endpoint", layer, experts,
+                               source, exc)
         if source:
             try:
                 w13, w2 = fetch_from_peer(source, self.server.config.token, layer, experts,
-                                          digests, self.held.dtype, adapter=adapter)
-                return w13, w2, list(experts), []
+                                          digests, held.dtype, adapter=adapter)
+                return (with_experts(base, experts, w13, w2, num_experts, held.store),
+                        list(experts), [])
             except (TransportError, ControlError, ValueError) as exc:
-                self.held.count("replica_fetch_fallbacks")
+                held.count("replica_fetch_fallbacks")
                 logger.warning("MoE layer %d: could not read experts %s from %s (%s); reading "
                                "them from %s", layer, experts, source, exc, disk)
         w13, w2 = from_disk()
-        return w13, w2, [], list(experts)
+        return with_experts(base, experts, w13, w2, num_experts, held.store), [], list(experts)
 
     # -- drop -------------------------------------------------------------------------------
     def drop(self, request: DropExperts) -> HoldingsChange:
@@ -229,7 +248,7 @@ class Replicas:
             with self._change:
                 quiet, done = held.quiet(grace)
                 for layer, ids in quiet.items():
-                    held.swap_layer(layer, without_experts(held.layers[layer], ids))
+                    held.swap_layer(layer, without_experts(held.layers[layer], ids, held.store))
                     logger.info("MoE layer %d: freed the weights of experts %s", layer, ids)
             if done:
                 return

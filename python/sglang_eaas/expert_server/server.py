@@ -15,13 +15,16 @@ from typing import Any, Callable
 
 import torch
 
+import ibgda
 from sgl_kernel_ext import cpu_ops
 from sglang_eaas import transports
 from sglang_eaas.expert_server.compute import local_experts, weighted_expert_sum
 from sglang_eaas.expert_server.control import control_endpoint
 from sglang_eaas.expert_server.expert_load import ExpertLoad
+from sglang_eaas.expert_server.fabric import WeightExports
 from sglang_eaas.expert_server.held import HeldExperts
 from sglang_eaas.expert_server.replicas import Replicas
+from sglang_eaas.expert_server.weight_store import WeightStore
 from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.membership import HEARTBEAT
@@ -56,11 +59,21 @@ class ExpertServerConfig:
     heartbeat: float = HEARTBEAT  # seconds between heartbeats to the monitor
     kernel: str = "fast"  # the expert math: "fast" (C++ grouped kernel) or "reference" (compute)
     shrink: bool = True  # fast kernel: walk only the active experts (False: all, an ablation)
+    weight_fabric: str = "map"  # fabric.MODES: map (zero-copy where it can) | copy | off
 
     def holdings(self, moe_layers: tuple[int, ...]) -> ServerHoldings:
         """Which experts this server holds in each MoE layer (possibly none in some)."""
         return ServerHoldings({layer: self.layer_experts.get(layer, self.experts)
                                for layer in moe_layers})
+
+
+def fabric_transport(slots: ibgda.Transport, mode: str) -> ibgda.Transport | None:
+    """The transport a server keeps its weights in (``--weight-fabric``; None: plain memory):
+    the slots' own, except that weights on a ``device`` server's host stay in ``shm`` here (on
+    a GPU node they would be device memory shared over CUDA IPC: docs/elastic.md)."""
+    if mode == "off":
+        return None
+    return ibgda.create_transport("shm") if slots.name == "device" else slots
 
 
 @dataclass
@@ -84,12 +97,15 @@ class ExpertServer:
         self.info = MoeModelInfo.from_model_path(config.model_path)
         self.dtype = DTYPES_BY_NAME[dtype_name(
             self.info.dtype if config.dtype == "auto" else config.dtype)]
-        self.held = HeldExperts(config.model_path, self.info,
-                                config.holdings(self.info.moe_layers), self.dtype, self._announce)
-        self.region_layout = RegionLayout.for_requests(
-            config.max_clients, config.max_tokens, self.info.hidden_size, self.info.top_k)
         self.transport = transports.create_server_transport(
             transports.server_backend(config.transport, config.host), config.host)
+        self.held = HeldExperts(
+            config.model_path, self.info, config.holdings(self.info.moe_layers),
+            WeightStore(fabric_transport(self.transport, config.weight_fabric), self.info,
+                        self.dtype), self._announce)
+        self.exports = None  # WeightExports, once the control endpoint has its address
+        self.region_layout = RegionLayout.for_requests(
+            config.max_clients, config.max_tokens, self.info.hidden_size, self.info.top_k)
         self.region = self.transport.create_region(self.region_layout.size)
         for index in range(config.max_clients):
             self.region.store_flag(self.region_layout.base(index), SlotState.OFFLINE)
@@ -105,6 +121,7 @@ class ExpertServer:
         self._joins = itertools.count(1)
         self.stats: collections.Counter[str] = collections.Counter()
         self.control = control_endpoint(self, config.host, config.port, config.token)
+        self.exports = WeightExports(self.held, self.address)
         self._stop = threading.Event()
         self.tick = time.monotonic()  # the serving loop's last pass (``healthy``)
         self.tier = None  # expert_server.tier.ServerTier once registered with a monitor

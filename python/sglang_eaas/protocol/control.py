@@ -13,7 +13,11 @@ that names its op and its reply's record:
                                        them (docs/protocol.md, "Replicas")
     DropExperts ("drop_experts")    -> HoldingsChange: stop holding them; their weights go once
                                        no request uses them
-    ExpertWeights ("expert_weights") -> WeightsChunk: a peer reads one expert's weights
+    ExportWeights ("export_weights") -> WeightsRegion: where a peer reads experts' weights
+                                       one-sidedly over the weight fabric (a lease)
+    ReleaseWeights ("release_weights") -> Done: the peer has read them (the lease ends)
+    ExpertWeights ("expert_weights") -> WeightsChunk: a peer reads one expert's weights over
+                                       this channel (without a weight fabric between them)
 
 The records below are the only definition of these messages; both ends use them: a sender
 passes one to ``call`` (or ``Channel.call``) and gets the reply's record back.
@@ -28,7 +32,8 @@ from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.protocol.header import DType
 from sglang_eaas.protocol.layout import SlotLayout
 from sglang_eaas.protocol.lines import (
-    Channel, ControlError, Message, Request, check_fields, holdings_fields, read_holdings, shown,
+    Channel, ControlError, Done, Message, Request, check_fields, holdings_fields, read_holdings,
+    shown,
 )
 
 SLOTS_PER_CONNECTION = 2  # one per micro-batch in flight (two-batch overlap)
@@ -282,8 +287,58 @@ class ExpertWeights(Request):
                                f">= 0, got {shown(self.tensor)}, {self.offset}")
 
 
+@dataclass(frozen=True)
+class WeightsRegion(Message):
+    """Where the asked experts' weights are: rows of one layer version's region (``w13`` rows
+    from offset 0, ``w2`` rows from ``w2_offset``), kept for the reader until it releases
+    ``lease`` (or the lease times out)."""
+
+    lease: str
+    region: dict  # ibgda.RegionHandle.to_dict()
+    dtype: str  # float32 | bfloat16 | float16
+    rows: int  # experts in the region
+    w2_offset: int
+    experts: list[int]
+    expert_rows: list[int]  # experts[i]'s row in the region
+    digests: list[str]  # experts[i]'s digest (the checkpoint's or the adapter's expert)
+
+    def validate(self) -> None:
+        if not (len(self.experts) == len(self.expert_rows) == len(self.digests)) or any(
+                not 0 <= r < self.rows for r in self.expert_rows) or self.w2_offset < 0:
+            raise ControlError("bad_field", f"a weights region names one row (< rows "
+                               f"{self.rows}) and one digest per expert, got "
+                               f"{shown(self.expert_rows)} for {shown(self.experts)}")
+
+
+@dataclass(frozen=True)
+class ExportWeights(Request):
+    """Lend ``experts``' weights of MoE ``layer`` for a one-sided read (``adapter``: ESFT
+    adapter experts by physical id). Refused (``weights_not_held``) for experts not held,
+    (``no_weight_fabric``) by a server whose weights are not in the fabric."""
+
+    layer: int
+    experts: list[int]
+    adapter: bool = False
+
+    op = "export_weights"
+    reply = WeightsRegion
+
+    def validate(self) -> None:
+        _check_experts(self.layer, self.experts)
+
+
+@dataclass(frozen=True)
+class ReleaseWeights(Request):
+    """The reader of ``lease`` is done with the region."""
+
+    lease: str
+
+    op = "release_weights"
+    reply = Done
+
+
 REQUESTS = (JoinRequest, Ready, Stats, ReleaseSlots, Drain, AddExperts, DropExperts,
-            ExpertWeights)
+            ExportWeights, ReleaseWeights, ExpertWeights)
 OPS = tuple(r.op for r in REQUESTS)
 
 

@@ -208,7 +208,8 @@ _WHAT = {"join": "to join", "ready": "the slot confirmation", "stats": "a stats 
          "heartbeat": "a heartbeat", "set_status": "a status change",
          "set_holdings": "a holdings change", "watch": "a watch",
          "report": "a report", "add_experts": "to add experts",
-         "drop_experts": "to drop experts", "expert_weights": "an expert's weights"}
+         "drop_experts": "to drop experts", "expert_weights": "an expert's weights",
+         "export_weights": "to lend experts' weights", "release_weights": "a weights lease's end"}
 
 
 

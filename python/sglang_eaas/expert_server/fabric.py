@@ -1,0 +1,204 @@
+"""The weight fabric: expert weights move between servers one-sidedly over ``ibgda``.
+
+A server's layers live in fabric regions (``weight_store.py``). A server that adds replicas
+asks a holder to lend them (``export_weights``): the holder answers with the region of its
+current version of that layer, each expert's row and digest, and a lease that keeps the region
+alive until the reader gives it back (``release_weights``) or ``LEASE`` seconds pass. The
+reader checks the digests against its own (the same experts of the same checkpoint or
+adapter), then
+
+* maps the region and computes with the holder's rows in place (zero copies) where the layout
+  allows: the same host (``shm``), the same dtype, and nothing of that layer held yet (the
+  mode ``map``; ElasticMoE's zero-copy reuse of resident weights);
+* else reads the rows one-sidedly into its next version of the layer (``shm``: one memcpy;
+  ``mooncake``: one Transfer Engine read per run of rows), without the holder's CPU.
+
+No byte checksum is taken: ``shm`` reads the holder's memory itself, and Mooncake's transports
+(TCP, RDMA) check their own frames; the digests make sure the rows are the right experts.
+The control channel carries only the lease (docs/protocol.md, "Weight fabric").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+import ibgda
+from ibgda import RegionHandle, TransportError
+from sglang_eaas.expert_server.experts import LayerExperts, grown
+from sglang_eaas.expert_server.weight_store import (
+    WeightBacking, WeightStore, layer_views, row_shapes,
+)
+from sglang_eaas.protocol.control import ExportWeights, ReleaseWeights, WeightsRegion
+from sglang_eaas.protocol.lines import Channel, ControlError, Done
+from sglang_eaas.protocol.slot import DTYPE_NAMES, DTYPES_BY_NAME
+
+if TYPE_CHECKING:
+    from sglang_eaas.expert_server.held import HeldExperts
+
+logger = logging.getLogger(__name__)
+LEASE = 60.0  # seconds a lent layer version stays readable without a release
+MODES = ("map", "copy", "off")  # --weight-fabric
+
+
+class WeightExports:
+    """The holder's side: lends its current layer versions and keeps each alive while lent."""
+
+    def __init__(self, held: "HeldExperts", address: str):
+        self.held, self.address = held, address
+        self._lock = threading.Lock()
+        self._leases: dict[str, tuple[LayerExperts, float]] = {}  # lease -> version, until
+
+    def export(self, request: ExportWeights) -> WeightsRegion:
+        held = self.held
+        layer = held.layers.get(request.layer)
+        if layer is None or layer.backing is None or layer.backing.mapped:
+            why = ("keeps its weights in plain memory (--weight-fabric off)"
+                   if held.store.transport is None else
+                   f"holds MoE layer {request.layer}'s weights in no region of its own")
+            raise ControlError("no_weight_fabric", f"expert server {self.address} {why}")
+        if request.adapter:
+            described = held.holdings.adapters.get(request.layer, {})
+            digests = {p: d.digest for p, d in described.items()}
+        else:
+            digests = dict(held.digests)
+        said = set(held.holdings.get(request.layer, ()))
+        index = layer.local_index
+        rows = [int(index[e]) if e < index.numel() else -1 for e in request.experts]
+        missing = [e for e, r in zip(request.experts, rows)
+                   if r < 0 or e not in said or e not in digests]
+        if missing:
+            raise ControlError("weights_not_held", f"expert server {self.address} does not hold "
+                               f"{'adapter ' if request.adapter else ''}experts {missing} of "
+                               f"MoE layer {request.layer}")
+        lease = uuid.uuid4().hex
+        now = time.monotonic()
+        with self._lock:
+            self._leases = {k: v for k, v in self._leases.items() if v[1] > now}
+            self._leases[lease] = (layer, now + LEASE)
+        backing = layer.backing
+        return WeightsRegion(lease, backing.region.handle.to_dict(), DTYPE_NAMES[held.dtype],
+                             backing.rows, backing.w2_offset, list(request.experts), rows,
+                             [digests[e] for e in request.experts])
+
+    def release(self, request: ReleaseWeights) -> Done:
+        with self._lock:
+            self._leases.pop(request.lease, None)
+        return Done()
+
+    def lent(self) -> int:
+        """Leases not yet given back or expired."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for _, until in self._leases.values() if until > now)
+
+
+@dataclass
+class Fill:
+    """What a fill over the fabric made: the layer's next version, and how."""
+
+    layer: LayerExperts
+    mapped: bool  # zero-copy: the holder's rows, mapped
+    bytes_read: int  # read one-sidedly (0 when mapped)
+
+
+class FabricReader:
+    """The reader's side: one per server, over its ``WeightStore`` (its transport reaches the
+    holders' regions of the same backend)."""
+
+    def __init__(self, store: WeightStore, mode: str, token: str, timeout: float):
+        if mode not in MODES:
+            raise ValueError(f"weight fabric mode must be one of {MODES}, got {mode!r}")
+        self.store, self.mode, self.token, self.timeout = store, mode, token, timeout
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off" and self.store.transport is not None
+
+    def fill(self, source: str, layer_id: int, base: LayerExperts | None, experts: list[int],
+             digests: dict[int, str], num_experts: int, adapter: bool = False) -> Fill:
+        """The next version of ``layer_id``: ``base``'s experts, then ``experts`` from the
+        holder ``source`` (``digests``: this server's digest of each; the holder's must match).
+
+        Raises ``TransportError``/``ControlError`` where the holder cannot lend them over the
+        fabric (then the caller reads them otherwise), ``ValueError`` where it holds other
+        weights under those ids."""
+        channel = Channel(source, self.token, self.timeout)
+        try:
+            lent = channel.call(ExportWeights(layer_id, list(experts), adapter))
+            try:
+                return self._fill_from(lent, base, experts, digests, num_experts, source)
+            finally:
+                try:
+                    channel.call(ReleaseWeights(lent.lease))
+                except (TransportError, ControlError) as exc:  # it expires on its own
+                    logger.debug("could not give lease %s back to %s: %s", lent.lease, source,
+                                 exc)
+        finally:
+            channel.close()
+
+    def _fill_from(self, lent: WeightsRegion, base: LayerExperts | None, experts: list[int],
+                   digests: dict[int, str], num_experts: int, source: str) -> Fill:
+        theirs = dict(zip(lent.experts, lent.digests))
+        differ = [e for e in experts if theirs.get(e) != digests[e]]
+        if differ or lent.experts != list(experts):
+            raise ValueError(f"{source} holds other weights for experts {differ or experts}")
+        handle = RegionHandle.from_dict(lent.region)
+        if handle.backend != self.store.backend:
+            raise TransportError(f"{source} lends its weights over {handle.backend}, this "
+                                 f"server's fabric is {self.store.backend}")
+        dtype = DTYPES_BY_NAME.get(lent.dtype)
+        if dtype is None:
+            raise ControlError("bad_field", f"{source} lends weights of dtype {lent.dtype!r}")
+        peer = self.store.transport.connect(handle)
+        info = self.store.info
+        size = max([num_experts, *(e + 1 for e in experts)])
+        if (self.mode == "map" and base is None and dtype == self.store.dtype):
+            views = layer_views(peer, lent.rows, info, dtype, lent.w2_offset)
+            if views is not None:  # the peer's pages, mapped: they stay while views do
+                index = torch.full((size,), -1, dtype=torch.long)
+                index[torch.tensor(experts)] = torch.tensor(lent.expert_rows)
+                backing = WeightBacking(peer, lent.w2_offset, lent.rows, mapped=True)
+                return Fill(LayerExperts(*views, index, backing), True, 0)
+        try:
+            return self._read(peer, lent, dtype, base, experts, size)
+        finally:
+            peer.close()
+
+    def _read(self, peer: ibgda.RemoteRegion, lent: WeightsRegion, dtype: torch.dtype,
+              base: LayerExperts | None, experts: list[int], size: int) -> Fill:
+        """``base``'s rows, then ``experts``' read one-sidedly, in a new version."""
+        next_layer, new13, new2 = grown(base, experts, size, self.store)
+        (a, b), (c, d) = row_shapes(self.store.info)
+        rows13, rows2 = a * b * dtype.itemsize, c * d * dtype.itemsize  # bytes of a peer's row
+        read = 0
+        for first, count, at in runs(lent.expert_rows):
+            for rows, offset, out in ((rows13, 0, new13), (rows2, lent.w2_offset, new2)):
+                dst = out[first:first + count]
+                if dtype != self.store.dtype:
+                    staged = torch.empty(dst.shape, dtype=dtype)
+                    peer.read(offset + at * rows, staged)
+                    dst.copy_(staged)
+                else:
+                    peer.read(offset + at * rows, dst)
+                read += count * rows
+        return Fill(next_layer, False, read)
+
+
+def runs(rows: list[int]) -> list[tuple[int, int, int]]:
+    """``(first, count, row)``: ``rows[first:first + count]`` are the consecutive rows
+    ``row .. row + count - 1`` (one read each)."""
+    out: list[tuple[int, int, int]] = []
+    for i, row in enumerate(rows):
+        if out and out[-1][2] + out[-1][1] == row:
+            first, count, at = out[-1]
+            out[-1] = (first, count + 1, at)
+        else:
+            out.append((i, 1, row))
+    return out

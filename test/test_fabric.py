@@ -1,0 +1,220 @@
+"""The weight fabric (docs/elastic.md, "Weight fabric"): expert weights kept in ibgda regions
+and moved between servers one-sidedly, mapped in place where the layout allows.
+
+Servers run in this process (their control endpoints on threads) so that the test can look at
+what each holds; every weight is checked against the checkpoint's tensors as safetensors reads
+them, not through the code under test. The last test kills a lending server process."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import open_log
+from hf_reference import assert_matches_hf, hf_routed_experts
+from sglang_eaas.checkpoint import ModelIdentity, tensor_files
+from sglang_eaas.client.client import EaasClient
+from sglang_eaas.expert_server.experts import load_experts, row_experts
+from sglang_eaas.expert_server.fabric import runs
+from sglang_eaas.expert_server.server import ExpertServer, ExpertServerConfig
+from sglang_eaas.expert_server.weight_store import WeightStore
+from sglang_eaas.launcher.local_servers import start_local_servers
+from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
+from sglang_eaas.protocol.control import (
+    AddExperts, ExportWeights, ReleaseWeights, call, probe,
+)
+from sglang_eaas.protocol.lines import Refused
+from tier_steps import one_step, routed_batch, wait_until
+
+import ibgda
+from ibgda.backends.shm import remove_orphans
+
+TOKEN = os.environ["SGLANG_EAAS_TOKEN"]
+
+
+@pytest.fixture(scope="module")
+def info(tiny_qwen3) -> MoeModelInfo:
+    return MoeModelInfo.from_model_path(tiny_qwen3)
+
+
+def checkpoint_rows(model, info: MoeModelInfo, layer: int, expert: int, dtype=torch.float32):
+    """One expert's ``w13`` (gate then up) and ``w2``, read with safetensors directly."""
+    files = tensor_files(model)
+    gate, up, down = info.expert_tensor_names(layer, expert)
+    parts = []
+    for name in (gate, up, down):
+        with safe_open(files[name], "pt") as f:
+            parts.append(f.get_tensor(name).to(dtype))
+    return torch.cat(parts[:2]), parts[2]
+
+
+def assert_holds_checkpoint(server: ExpertServer, model, layer: int, experts: list[int]):
+    held = server.held.layers[layer]
+    for e in experts:
+        row = int(held.local_index[e])
+        w13, w2 = checkpoint_rows(model, server.info, layer, e, held.w13.dtype)
+        assert torch.equal(held.w13[row], w13) and torch.equal(held.w2[row], w2), (layer, e)
+
+
+def shm_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"ibgda-{os.getpid()}-")}
+
+
+def test_rows_in_fabric_regions_are_the_checkpoints_and_go_with_their_last_reference(
+        tiny_qwen3, info):
+    before = shm_files()
+    store = WeightStore(ibgda.create_transport("shm"), info, torch.float32)
+    layers = load_experts(tiny_qwen3, info, [1, 4, 6], torch.float32, store)
+    plain = load_experts(tiny_qwen3, info, [1, 4, 6], torch.float32)
+    assert len(shm_files() - before) == len(info.moe_layers)  # one region per layer version
+    for layer, rows in layers.items():
+        assert rows.backing is not None and rows.backing.rows == 3
+        assert torch.equal(rows.w13, plain[layer].w13) and torch.equal(rows.w2, plain[layer].w2)
+        for row, e in enumerate([1, 4, 6]):
+            w13, w2 = checkpoint_rows(tiny_qwen3, info, layer, e)
+            assert torch.equal(rows.w13[row], w13) and torch.equal(rows.w2[row], w2)
+        assert row_experts(rows).tolist() == [1, 4, 6]
+    keep = layers[info.moe_layers[0]].w13  # a view outlives its layer: still mapped
+    del layers, rows  # (the loop kept the last layer)
+    gc.collect()
+    assert shm_files() == before  # every region's file unlinked
+    assert torch.equal(keep[0], checkpoint_rows(tiny_qwen3, info, info.moe_layers[0], 1)[0])
+
+
+def test_runs_group_consecutive_rows():
+    assert runs([4, 5, 6, 0, 2, 3]) == [(0, 3, 4), (3, 1, 0), (4, 2, 2)]
+    assert runs([]) == []
+
+
+@pytest.fixture()
+def started(tiny_qwen3):
+    made = []
+
+    def start(experts=(), layer_experts=None, **fields) -> ExpertServer:
+        server = ExpertServer(ExpertServerConfig(
+            tiny_qwen3, tuple(experts), token=TOKEN, layer_experts=layer_experts or {},
+            **fields))
+        server.start()
+        made.append(server)
+        return server
+
+    yield start
+    for server in made:
+        server.close()
+
+
+def test_fills_over_the_fabric_map_read_and_convert(started, tiny_qwen3, info):
+    """A layer the receiver holds none of is mapped from the holder (no copy); one it holds
+    some of gets a new version with the rows read one-sidedly; a bfloat16 server reads a
+    float32 holder's rows and converts them; a 'copy' server never maps."""
+    first, second = info.moe_layers[0], info.moe_layers[1]
+    holder = started(range(8))
+    receiver = started(layer_experts={first: (0, 1), second: ()})
+    reply = call(receiver.address, AddExperts(second, [6, 2, 3], holder.address), TOKEN)
+    assert reply.from_peer == [6, 2, 3] and reply.layer_experts == [2, 3, 6]
+    mapped = receiver.held.layers[second]
+    assert mapped.backing.mapped and mapped.w13.shape[0] == 8  # the holder's rows, in place
+    assert mapped.w13.data_ptr() != holder.held.layers[second].w13.data_ptr()  # its own mapping
+    assert_holds_checkpoint(receiver, tiny_qwen3, second, [2, 3, 6])
+    reply = call(receiver.address, AddExperts(first, [5, 4, 7], holder.address), TOKEN)
+    assert reply.from_peer == [5, 4, 7] and reply.layer_experts == [0, 1, 4, 5, 7]
+    assert not receiver.held.layers[first].backing.mapped
+    assert receiver.held.layers[first].w13.shape[0] == 5
+    assert_holds_checkpoint(receiver, tiny_qwen3, first, [0, 1, 4, 5, 7])
+    # adding to a mapped layer makes a version of its own with only the rows it holds
+    call(receiver.address, AddExperts(second, [0], holder.address), TOKEN)
+    assert not receiver.held.layers[second].backing.mapped
+    assert receiver.held.layers[second].w13.shape[0] == 4
+    assert_holds_checkpoint(receiver, tiny_qwen3, second, [0, 2, 3, 6])
+    counters = probe(receiver.address, TOKEN).counters
+    assert counters["replicas_mapped"] == 3 and counters["replicas_read"] == 4
+    assert counters.get("fabric_fallbacks", 0) == 0
+    assert probe(receiver.address, TOKEN).weight_bytes == 9 * (
+        mapped.w13[0].nbytes + mapped.w2[0].nbytes)
+
+    half = started(layer_experts={first: (), second: (1,)}, dtype="bfloat16",
+                   weight_fabric="copy")
+    call(half.address, AddExperts(first, [3, 2], holder.address), TOKEN)
+    assert half.held.layers[first].w13.dtype == torch.bfloat16
+    assert not half.held.layers[first].backing.mapped  # copy mode, and another dtype
+    assert_holds_checkpoint(half, tiny_qwen3, first, [2, 3])
+
+
+def test_leases_keep_a_lent_version_and_refusals(started, info):
+    layer = info.moe_layers[0]
+    holder = started(range(4))
+    lent = call(holder.address, ExportWeights(layer, [2, 0]), TOKEN)
+    assert lent.expert_rows == [2, 0] and lent.rows == 4 and holder.exports.lent() == 1
+    region = ibgda.create_transport("shm").connect(ibgda.RegionHandle.from_dict(lent.region))
+    lent_w13 = region.mapped(0, 4).clone()
+    # the holder changes that layer (a new version); the lent one stays readable
+    holder.held.swap_layer(layer, None)
+    gc.collect()
+    again = ibgda.create_transport("shm").connect(ibgda.RegionHandle.from_dict(lent.region))
+    assert torch.equal(again.mapped(0, 4), lent_w13)
+    again.close()
+    region.close()
+    call(holder.address, ReleaseWeights(lent.lease), TOKEN)
+    assert holder.exports.lent() == 0
+    gc.collect()
+    assert lent.region["name"] not in os.listdir("/dev/shm")  # released: the version went
+    with pytest.raises(Refused, match="does not hold experts \\[7\\]") as refused:
+        call(holder.address, ExportWeights(info.moe_layers[1], [7]), TOKEN)
+    assert refused.value.reason == "weights_not_held"
+    plain = started(range(4), weight_fabric="off")
+    with pytest.raises(Refused, match="plain memory") as refused:
+        call(plain.address, ExportWeights(layer, [1]), TOKEN)
+    assert refused.value.reason == "no_weight_fabric"
+    # a server without a fabric still fills from a peer, over the control channel
+    receiver = started(layer_experts={layer: (0,), info.moe_layers[1]: (0,)},
+                       weight_fabric="off")
+    reply = call(receiver.address, AddExperts(layer, [3], plain.address), TOKEN)
+    assert reply.from_peer == [3]
+    assert probe(receiver.address, TOKEN).counter("fabric_fallbacks") == 0
+
+
+def test_mapped_rows_serve_after_their_holder_is_killed(tiny_qwen3, info):
+    """A server maps a whole layer from a peer process, then the peer is killed (kill -9) and
+    its region files removed: the mapped rows stay (the memory goes with its last mapping),
+    and a client's sums over that layer, all from the survivor, equal transformers'."""
+    monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=0.6)).start()
+    log = open_log("fabric-kill")
+    first, second = info.moe_layers[0], info.moe_layers[1]
+    servers = start_local_servers(
+        tiny_qwen3, [list(range(8)), {first: list(range(8)), second: []}], "float32",
+        max_clients=2, extra_args=("--monitor", monitor.address, "--heartbeat", "0.1"),
+        stdout=log)
+    client = None
+    try:
+        wait_until(lambda: len(monitor.registry.snapshot().servers()) == 2, 20, "registration")
+        reply = call(servers[1].address, AddExperts(second, list(range(8)), servers[0].address),
+                     TOKEN)
+        assert reply.from_peer == list(range(8))
+        assert probe(servers[1].address, TOKEN).counter("replicas_mapped") == 8
+        servers[0].process.kill()
+        servers[0].process.wait()
+        remove_orphans()  # the dead holder's region files are unlinked; the mapping stays
+        wait_until(lambda: len(monitor.registry.snapshot().servers()) == 1, 20, "the loss")
+        client = EaasClient([servers[1].address], info, ModelIdentity.of(tiny_qwen3),
+                            torch.float32, "fabric-kill", monitor=monitor.address,
+                            heartbeat=0.1)
+        hf = hf_routed_experts(tiny_qwen3)
+        x, ids, w = routed_batch(info, 24, seed=5)
+        out, failed = one_step(client, second, x, ids, w)
+        assert not failed
+        assert_matches_hf(out, hf, second, x, ids, w)
+        time.sleep(0.3)
+        assert probe(servers[1].address, TOKEN).counter("tokens") >= 24
+    finally:
+        if client is not None:
+            client.close()
+        for server in servers:
+            server.stop()
+        monitor.close()
+        log.close()
