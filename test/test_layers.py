@@ -19,6 +19,7 @@ LAYERS = (
     {"placement", "checkpoint", "protocol", "cpu_runtime"},
     {"routing_table", "endpoint"},
     {"esft", "balance", "membership"},  # policies over Holdings; reaching a monitor
+    {"elastic"},  # resizing the live tier (over balance's apply and a monitor)
     {"config"},  # the --eaas options and their record, checked before anything starts
     {"cores"},
     {"client", "expert_server", "monitor", "status"},  # the processes' roles, side by side

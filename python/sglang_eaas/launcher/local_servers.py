@@ -91,3 +91,30 @@ def _accepts(address: str) -> bool:
             return True
     except OSError:
         return False
+
+
+class LocalLauncher:
+    """Standby expert servers as child processes of this process: the default
+    ``elastic.resize.ServerLauncher`` (docs/elastic.md, "Launchers")."""
+
+    def __init__(self, model_path: str | Path, monitor: str, dtype: str, max_clients: int,
+                 extra_args: tuple[str, ...] = (), stdout=None):
+        self.model_path, self.monitor, self.dtype = model_path, monitor, dtype
+        self.max_clients, self.extra_args, self.stdout = max_clients, extra_args, stdout
+        self.started: dict[str, LocalServer] = {}
+
+    def start(self, count: int) -> list[str]:
+        made = start_local_servers(self.model_path, [{}] * count, self.dtype, self.max_clients,
+                                   ("--standby", "--monitor", self.monitor, *self.extra_args),
+                                   stdout=self.stdout)
+        self.started.update({s.address: s for s in made})
+        return [s.address for s in made]
+
+    def stop(self, address: str) -> None:
+        server = self.started.pop(address, None)
+        if server is not None:
+            server.stop(timeout=60.0)  # it exits by itself once drained
+
+    def close(self) -> None:
+        for address in list(self.started):
+            self.stop(address)

@@ -1,0 +1,1 @@
+"""Elastic expert tier: resize plans and operations, the autoscaler (docs/elastic.md)."""

@@ -1,0 +1,242 @@
+"""Resizing the expert tier while it serves: scale out N -> M, scale in M -> N.
+
+The tier's *active* servers hold experts; *standby* servers are registered and warm but hold
+none (``--standby``). A resize to M active servers:
+
+* **out**: takes standby servers, else starts new ones through a ``ServerLauncher`` (local
+  processes by default; an orchestrator's implementation the same way), places the tier over
+  the new set with the fewest moves (``plan.resize_holdings``), and applies it: every add first,
+  read from a current holder over the weight fabric, then every drop; clients switch tables
+  between steps as each server says what it holds (docs/protocol.md, "Replicas").
+* **in**: picks the servers that go (those holding least), places over the others, applies,
+  then drains the leaving servers (clients stop sending, in-flight work finishes, they exit).
+
+A server lost during a resize (killed mid-fill, as receiver or as source) is left out and the
+placement is made again from the monitor's view over the live servers, with another standby or
+new server in its place; where none can be had, the resize rolls back to the servers active
+before it. Either way every expert keeps a live holder (adds come before drops), so no request
+fails: a request to a lost server fails over as after any loss (docs/fault-tolerance.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from ibgda import TransportError
+from sglang_eaas.balance.apply import apply_placement
+from sglang_eaas.elastic.plan import moved, resize_holdings
+from sglang_eaas.holdings import ServerHoldings
+from sglang_eaas.membership import connect
+from sglang_eaas.protocol.control import Drain, call, probe
+from sglang_eaas.protocol.monitor import SERVING, Snapshot
+
+logger = logging.getLogger(__name__)
+ATTEMPTS = 3  # placements tried when servers are lost mid-resize
+REGISTER_TIMEOUT = 120.0  # seconds a started server has to register
+
+
+class ResizeError(RuntimeError):
+    """A resize that could not be made (and what was done is said)."""
+
+
+class ServerLauncher(Protocol):
+    """Starts and stops expert servers for resizes (docs/elastic.md, "Launchers")."""
+
+    def start(self, count: int) -> list[str]:
+        """Start ``count`` standby servers registering with the tier's monitor; their control
+        addresses (the resize waits for them to register)."""
+
+    def stop(self, address: str) -> None:
+        """The server at ``address`` has drained and is exiting: reap it (a server this
+        launcher did not start: nothing to do)."""
+
+
+@dataclass
+class Resized:
+    """What a resize did."""
+
+    before: int  # active servers before
+    after: int  # and after
+    taken: list[str] = field(default_factory=list)  # standby servers filled
+    started: list[str] = field(default_factory=list)  # servers the launcher started
+    retired: list[str] = field(default_factory=list)  # servers drained
+    lost: list[str] = field(default_factory=list)  # servers lost during it, left out
+    moved: int = 0  # replicas added (per layer)
+    from_peer: int = 0
+    from_disk: int = 0
+    rolled_back: bool = False
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        parts = [f"{self.before} -> {self.after} active expert servers in {self.seconds:.1f}s",
+                 f"{self.moved} replicas filled ({self.from_peer} from peers, "
+                 f"{self.from_disk} from disk)"]
+        for what, servers in (("standby taken", self.taken), ("started", self.started),
+                              ("retired", self.retired), ("lost", self.lost)):
+            if servers:
+                parts.append(f"{what}: {', '.join(servers)}")
+        if self.rolled_back:
+            parts.append("rolled back")
+        return "; ".join(parts)
+
+
+def active_and_standby(snapshot: Snapshot, fingerprint: str | None = None
+                       ) -> tuple[list[str], list[str]]:
+    """The serving servers that hold experts, and those that hold none (standby)."""
+    active, standby = [], []
+    for m in snapshot.servers(fingerprint):
+        if m.status == SERVING:
+            (active if any(m.holdings.values()) else standby).append(m.id)
+    return active, standby
+
+
+class Resizer:
+    """Resizes the tier registered with ``monitor`` (one resize at a time)."""
+
+    def __init__(self, monitor: str, token: str, num_experts: int,
+                 launcher: ServerLauncher | None = None, fingerprint: str | None = None,
+                 grace: float = 1.0, say: Callable[[str], None] = logger.info):
+        self.monitor, self.token, self.num_experts = monitor, token, num_experts
+        self.launcher, self.fingerprint, self.grace, self.say = launcher, fingerprint, grace, say
+        self.lock = threading.Lock()
+
+    def snapshot(self) -> Snapshot:
+        watcher = connect(self.monitor, self.token)
+        try:
+            return watcher.watch(-1, 0.0)
+        finally:
+            watcher.close()
+
+    def resize(self, servers: int) -> Resized:
+        """Make ``servers`` expert servers active."""
+        if servers < 1:
+            raise ResizeError(f"a tier keeps at least one active expert server, not {servers}")
+        with self.lock:
+            began = time.monotonic()
+            active, standby = active_and_standby(self.snapshot(), self.fingerprint)
+            done = Resized(len(active), len(active))
+            if servers > len(active):
+                self._out(servers, active, standby, done)
+            elif servers < len(active):
+                self._in(servers, active, done)
+            done.seconds = time.monotonic() - began
+            self.say(f"resize: {done.summary()}")
+            return done
+
+    # -- out --------------------------------------------------------------------------------
+    def _out(self, servers: int, active: list[str], standby: list[str], done: Resized) -> None:
+        before = list(active)
+        newcomers = self._newcomers(servers - len(active), standby, done)
+        for _ in range(ATTEMPTS):
+            try:
+                self._place_over(active + newcomers, done)
+                done.after = len(active) + len(newcomers)
+                return
+            except TransportError as exc:
+                lost = self._lost(active + newcomers, exc, done)
+                active = [s for s in active if s not in lost]
+                newcomers = [s for s in newcomers if s not in lost]
+                try:
+                    newcomers += self._newcomers(servers - len(active) - len(newcomers), [
+                        s for s in active_and_standby(self.snapshot(), self.fingerprint)[1]
+                        if s not in newcomers and s not in done.lost], done)
+                except ResizeError as why:
+                    self.say(f"resize: no server to take the lost ones' place ({why}); "
+                             "rolling back")
+                    break
+        self._roll_back([s for s in before if s not in done.lost], newcomers, done)
+
+    def _newcomers(self, count: int, standby: list[str], done: Resized) -> list[str]:
+        """``count`` servers to fill: standby ones first, then started ones (registered)."""
+        taken = standby[:max(count, 0)]
+        done.taken += taken
+        missing = count - len(taken)
+        if missing <= 0:
+            return taken
+        if self.launcher is None:
+            raise ResizeError(f"{missing} more expert servers are needed and there is no "
+                              "standby server and no launcher to start one")
+        started = self.launcher.start(missing)
+        done.started += started
+        self.say(f"resize: started {', '.join(started)}; waiting for them to register")
+        deadline = time.monotonic() + REGISTER_TIMEOUT
+        while set(started) - set(active_and_standby(self.snapshot(), self.fingerprint)[1]):
+            if time.monotonic() > deadline:
+                raise ResizeError(f"started expert servers {started} did not register within "
+                                  f"{REGISTER_TIMEOUT:.0f}s")
+            time.sleep(0.2)
+        return taken + started
+
+    # -- in ---------------------------------------------------------------------------------
+    def _in(self, servers: int, active: list[str], done: Resized) -> None:
+        held = self.snapshot().holdings(self.fingerprint)
+        # the servers holding least go (the last named first among equals)
+        order = sorted(range(len(active)), key=lambda i: (sum(map(len, held[active[i]]
+                                                                 .values())), -i))
+        leaving = [active[i] for i in order[:len(active) - servers]]
+        staying = [s for s in active if s not in leaving]
+        for _ in range(ATTEMPTS):
+            try:
+                self._place_over(staying, done, leaving)
+                break
+            except TransportError as exc:
+                lost = self._lost(staying + leaving, exc, done)
+                staying = [s for s in staying if s not in lost]
+                leaving = [s for s in leaving if s not in lost]
+        else:
+            raise ResizeError(f"scale-in: servers kept failing ({', '.join(done.lost)})")
+        for server in leaving:
+            self._retire(server, done)
+        done.after = len(staying)
+
+    def _retire(self, server: str, done: Resized) -> None:
+        try:
+            call(server, Drain(), self.token, 30.0)
+        except TransportError as exc:
+            self.say(f"resize: {server} did not drain ({exc})")
+        if self.launcher is not None:
+            self.launcher.stop(server)
+        done.retired.append(server)
+
+    # -- placing ----------------------------------------------------------------------------
+    def _place_over(self, servers: Sequence[str], done: Resized,
+                    emptied: Sequence[str] = ()) -> None:
+        """Move the tier onto ``servers`` (the ``emptied`` ones give everything up)."""
+        current = self.snapshot().holdings(self.fingerprint)
+        current = current.only([s for s in current if s not in done.lost])
+        target = resize_holdings(current.only([s for s in current if s not in emptied]),
+                                 servers, self.num_experts)
+        layers = current.layers()
+        for server in emptied:
+            target = target.with_server(server, ServerHoldings({layer: () for layer in layers}))
+        fill = moved(current, target)
+        self.say(f"resize: placing over {len(servers)} servers: {fill} replicas to fill")
+        applied = apply_placement(current, target, self.token, grace=self.grace, say=self.say)
+        done.moved += fill
+        done.from_peer += applied.from_peer
+        done.from_disk += applied.from_disk
+
+    def _lost(self, servers: Sequence[str], exc: Exception, done: Resized) -> list[str]:
+        """The servers of ``servers`` that no longer answer (after ``exc`` from one of them)."""
+        lost = []
+        for s in servers:
+            try:
+                probe(s, self.token, 5.0)
+            except TransportError:
+                lost.append(s)
+        if not lost:
+            raise ResizeError(f"resize failed: {exc}") from exc
+        done.lost += lost
+        self.say(f"resize: lost {', '.join(lost)} ({exc}); placing again without")
+        return lost
+
+    def _roll_back(self, before: list[str], newcomers: list[str], done: Resized) -> None:
+        """Back to the servers active before (the newcomers emptied: standby again)."""
+        if not before:
+            raise ResizeError("every server active before the resize was lost")
+        self._place_over(before, done, [s for s in newcomers if s not in done.lost])
+        done.rolled_back, done.after = True, len(before)
