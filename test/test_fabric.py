@@ -127,6 +127,12 @@ def test_fills_over_the_fabric_map_read_and_convert(started, tiny_qwen3, info):
     assert not receiver.held.layers[first].backing.mapped
     assert receiver.held.layers[first].w13.shape[0] == 5
     assert_holds_checkpoint(receiver, tiny_qwen3, first, [0, 1, 4, 5, 7])
+    # a mapped layer is lent on as a copy of its rows (its holder may retire its version)
+    third = started(layer_experts={first: (0,), second: ()}, weight_fabric="copy")
+    reply = call(third.address, AddExperts(second, [6, 2], receiver.address), TOKEN)
+    assert reply.from_peer == [6, 2]
+    assert probe(third.address, TOKEN).counters.get("fabric_fallbacks", 0) == 0
+    assert_holds_checkpoint(third, tiny_qwen3, second, [2, 6])
     # adding to a mapped layer makes a version of its own with only the rows it holds
     call(receiver.address, AddExperts(second, [0], holder.address), TOKEN)
     assert not receiver.held.layers[second].backing.mapped

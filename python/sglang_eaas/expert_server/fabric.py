@@ -58,25 +58,29 @@ class WeightExports:
     def export(self, request: ExportWeights) -> WeightsRegion:
         held = self.held
         layer = held.layers.get(request.layer)
-        if layer is None or layer.backing is None or layer.backing.mapped:
-            why = ("keeps its weights in plain memory (--weight-fabric off)"
-                   if held.store.transport is None else
-                   f"holds MoE layer {request.layer}'s weights in no region of its own")
-            raise ControlError("no_weight_fabric", f"expert server {self.address} {why}")
+        if held.store.transport is None:
+            raise ControlError("no_weight_fabric", f"expert server {self.address} keeps its "
+                               "weights in plain memory (--weight-fabric off)")
         if request.adapter:
             described = held.holdings.adapters.get(request.layer, {})
             digests = {p: d.digest for p, d in described.items()}
         else:
             digests = dict(held.digests)
         said = set(held.holdings.get(request.layer, ()))
-        index = layer.local_index
-        rows = [int(index[e]) if e < index.numel() else -1 for e in request.experts]
+        rows = [-1] * len(request.experts) if layer is None else [
+            int(layer.local_index[e]) if e < layer.local_index.numel() else -1
+            for e in request.experts]
         missing = [e for e, r in zip(request.experts, rows)
                    if r < 0 or e not in said or e not in digests]
         if missing:
             raise ControlError("weights_not_held", f"expert server {self.address} does not hold "
                                f"{'adapter ' if request.adapter else ''}experts {missing} of "
                                f"MoE layer {request.layer}")
+        if layer.backing is not None and layer.backing.mapped:
+            # a layer mapped from a peer is the peer's to retire: lend a copy of its rows, in
+            # a region of this server's (one memcpy), which the lease keeps until released
+            layer = grown(layer, [], held.info.num_experts, held.store)[0]
+            rows = [int(layer.local_index[e]) for e in request.experts]
         lease = uuid.uuid4().hex
         now = time.monotonic()
         with self._lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from concurrent.futures import ThreadPoolExecutor
 import signal
 import socket
 import subprocess
@@ -21,7 +22,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies, however the parent dies."""
+    """Ask Linux to SIGTERM this process when its parent dies, however the parent dies (in
+    fact when the parent's thread that forked it ends: fork from a thread that lives as long
+    as the process, as ``LocalLauncher`` does)."""
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
@@ -102,11 +105,16 @@ class LocalLauncher:
         self.model_path, self.monitor, self.dtype = model_path, monitor, dtype
         self.max_clients, self.extra_args, self.stdout = max_clients, extra_args, stdout
         self.started: dict[str, LocalServer] = {}
+        # Linux sends PR_SET_PDEATHSIG when the *thread* that forked the child ends: a resize
+        # runs on a thread of its own, so the servers are forked from this one, which lives
+        # as long as the process
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="eaas-spawn")
 
     def start(self, count: int) -> list[str]:
-        made = start_local_servers(self.model_path, [{}] * count, self.dtype, self.max_clients,
-                                   ("--standby", "--monitor", self.monitor, *self.extra_args),
-                                   stdout=self.stdout)
+        made = self._spawner.submit(
+            start_local_servers, self.model_path, [{}] * count, self.dtype, self.max_clients,
+            ("--standby", "--monitor", self.monitor, *self.extra_args),
+            stdout=self.stdout).result()
         self.started.update({s.address: s for s in made})
         return [s.address for s in made]
 
