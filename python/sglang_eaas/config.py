@@ -20,6 +20,7 @@ from typing import Callable
 
 from sglang_eaas import transports
 from sglang_eaas.addresses import AddressError, parse_address
+from sglang_eaas.elastic.autoscaler import ACTS, AutoscalePolicy, AutoscaleSettings
 from sglang_eaas.esft.adapter import AdapterError, default_max_experts, load_adapter
 from sglang_eaas.membership import HEARTBEAT, LOSS_TIMEOUT, MonitorSpec, parse_monitor
 from sglang_eaas.model_info import ModelError, MoeModelInfo
@@ -152,6 +153,16 @@ DEFAULT_LOCAL_SERVERS = 2  # --eaas without --eaas-expert-servers, placement or 
 
 
 @dataclass(frozen=True)
+class LocalSpawn:
+    """How the launcher started its local expert servers, so that more can be started alike
+    (a resize: launcher/admin.py): their dtype, client slots and flags (but --monitor)."""
+
+    dtype: str
+    max_clients: int
+    flags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class EaasConfig:
     """What the attention client needs to know about its expert servers."""
 
@@ -179,6 +190,8 @@ class EaasConfig:
     esft_slots: int | None = None  # adapter expert ids per MoE layer; None: 4 x the experts
     esft_max_experts: int | None = None  # per adapter and MoE layer; None: a quarter of them
     esft_replicas: int = 1  # servers holding each adapter expert
+    spawn: LocalSpawn | None = None  # set by the launcher where it started the servers
+    autoscale: AutoscaleSettings | None = None  # --eaas-autoscale
 
     def adapter_slots(self, num_experts: int) -> int:
         """Expert ids per MoE layer past the model's ``num_experts`` (0 without ESFT)."""
@@ -409,6 +422,36 @@ def add_cli_args(parser: argparse.ArgumentParser,
         help="Expert servers holding each adapter expert (default 1): with 2 or more, a "
         "server holding adapter experts can die without failing the adapter's requests.",
     )
+    group.add_argument(
+        "--eaas-autoscale",
+        action="store_true",
+        default=None,
+        help="Size the expert tier to the load (docs/elastic.md): the scheduler judges the "
+        "SLO attainment of finished requests every window against --eaas-autoscale-ttft and "
+        "--eaas-autoscale-tpot (both needed), asks for one more expert server after persistent "
+        "violation and one fewer after persistent slack (p90 latencies at most half the "
+        "targets), at most once per cooldown. Off by default.",
+    )
+    for flag, kind, meta, text in (
+            ("ttft", float, "SECONDS", "target time to first token"),
+            ("tpot", float, "SECONDS", "target time per output token"),
+            ("attainment", float, "SHARE", "share of requests that must meet both targets "
+             "(default 0.9)"),
+            ("window", float, "SECONDS", "finished requests judged together (default 20)"),
+            ("cooldown", float, "SECONDS", "least time between two decisions (default 60)"),
+            ("min-servers", _count, "N", "fewest active expert servers (default 1)"),
+            ("max-servers", _count, "N", "most active expert servers (default 8)")):
+        group.add_argument(f"--eaas-autoscale-{flag}", type=kind, default=None, metavar=meta,
+                           help=f"With --eaas-autoscale: {text}.")
+    group.add_argument(
+        "--eaas-autoscale-act",
+        choices=ACTS,
+        default=None,
+        help="With --eaas-autoscale: 'resize' (default) resizes the tier itself (standby "
+        "servers first, then local processes where this launcher started the tier); "
+        "'publish' only publishes the desired count (/metrics, GET /eaas/tier) for an "
+        "orchestrator that owns the servers to act on.",
+    )
 
 
 LOCAL_ONLY = ("--eaas-kernel and --eaas-disable-shrink apply to the local expert servers this "
@@ -431,7 +474,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                          "eaas_kernel", "eaas_disable_shrink", "eaas_disable_overlap",
                          "eaas_load_dump", "eaas_load_window", "eaas_esft",
                          "eaas_esft_adapters", "eaas_esft_slots", "eaas_esft_max_experts",
-                         "eaas_esft_replicas")
+                         "eaas_esft_replicas", *AUTOSCALE_FLAGS)
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -482,6 +525,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                      args.eaas_load_window or LOAD_WINDOW, esft,
                      tuple(args.eaas_esft_adapters or ()), args.eaas_esft_slots,
                      args.eaas_esft_max_experts, args.eaas_esft_replicas or 1)
+    cfg = replace(cfg, autoscale=autoscale_settings(args))
     if args.eaas_placement is None and not cfg.esft_adapters:
         return cfg
     try:
@@ -502,6 +546,38 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                              f"MoE layer {layer}, more than --eaas-esft-max-experts {budget} "
                              f"allows; raise it or serve an adapter with fewer")
     return replace(cfg, placement=placement)
+
+
+AUTOSCALE_FLAGS = ("eaas_autoscale", "eaas_autoscale_ttft", "eaas_autoscale_tpot",
+                   "eaas_autoscale_attainment", "eaas_autoscale_window",
+                   "eaas_autoscale_cooldown", "eaas_autoscale_min_servers",
+                   "eaas_autoscale_max_servers", "eaas_autoscale_act")
+
+
+def autoscale_settings(args: argparse.Namespace) -> AutoscaleSettings | None:
+    """``--eaas-autoscale*``; ``ValueError`` (one sentence) for a bad or missing value."""
+    given = [f"--{n.replace('_', '-')}" for n in AUTOSCALE_FLAGS[1:]
+             if getattr(args, n, None) is not None]
+    if not getattr(args, "eaas_autoscale", None):
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --eaas-autoscale")
+        return None
+    if args.eaas_autoscale_ttft is None or args.eaas_autoscale_tpot is None:
+        raise ValueError("--eaas-autoscale needs its targets: --eaas-autoscale-ttft SECONDS "
+                         "and --eaas-autoscale-tpot SECONDS")
+    optional = {name: getattr(args, f"eaas_autoscale_{name}") for name in (
+        "attainment", "window", "cooldown")}
+    try:
+        policy = AutoscalePolicy(args.eaas_autoscale_ttft, args.eaas_autoscale_tpot,
+                                 **{k: v for k, v in optional.items() if v is not None})
+    except ValueError:
+        raise ValueError("--eaas-autoscale: the targets and the window must be > 0, the "
+                         "attainment in (0, 1] and the cooldown >= 0") from None
+    low, high = args.eaas_autoscale_min_servers or 1, args.eaas_autoscale_max_servers or 8
+    if low > high:
+        raise ValueError(f"--eaas-autoscale-min-servers {low} is above "
+                         f"--eaas-autoscale-max-servers {high}")
+    return AutoscaleSettings(policy, low, high, args.eaas_autoscale_act or "resize")
 
 
 def checked_placement(path: Path, info: MoeModelInfo) -> PlacementFile:

@@ -17,9 +17,11 @@ from dataclasses import fields
 from typing import Any, Callable, NamedTuple
 
 from sglang_eaas import config, request_checks
-from sglang_eaas.client import esft_hooks, graph_check, overlap, sglang_moe, steps
+from sglang_eaas.client import (
+    autoscale_hooks, esft_hooks, graph_check, overlap, sglang_moe, steps,
+)
 from sglang_eaas.cpu_runtime import attention, moe_native_ep, server_defaults
-from sglang_eaas.launcher import prepare
+from sglang_eaas.launcher import admin, prepare
 
 
 class Hook(NamedTuple):
@@ -90,6 +92,21 @@ HOOKS: tuple[Hook, ...] = (
         "AROUND",
         prepare.launch_subprocesses,
         "start local expert servers / check remote ones and the placement before workers start",
+    ),
+    Hook(
+        "sglang.srt.entrypoints.http_server._setup_and_run_http_server",
+        "BEFORE",
+        admin.install_routes,
+        "the expert tier's admin API (/eaas/tier, /eaas/scale, /eaas/operations) on SGLang's "
+        "HTTP server",
+    ),
+    Hook(
+        "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+        ".stream_output",
+        "AFTER",
+        autoscale_hooks.after_stream_output,
+        "--eaas-autoscale: rank 0's scheduler times each request (TTFT, TPOT) as it streams "
+        "its outputs and judges SLO attainment per window",
     ),
     Hook(
         "sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod.create_weights",

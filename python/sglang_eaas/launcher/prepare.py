@@ -29,6 +29,7 @@ from sglang_eaas.config import (
     LOCAL_ONLY,
     EaasConfig,
     LocalServers,
+    LocalSpawn,
     RemoteServers,
 )
 from sglang_eaas.cores import shares_cores
@@ -115,20 +116,21 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
         logger.info("sglang-eaas: starting %d local expert servers: %s", len(placements),
                     placements)
         backend = "shm" if cfg.transport == transports.AUTO else cfg.transport
-        with blame(origin):
-            local = start_local_servers(
-                model_path, placements, sglang_dtype(model_path, dtype),
-                max(8, control.SLOTS_PER_CONNECTION * num_ranks), avoid_ports=sglang_ports,
-                extra_args=("--transport", backend, "--monitor", cfg.monitor,
-                            "--heartbeat", str(cfg.heartbeat),
+        spawn = LocalSpawn(sglang_dtype(model_path, dtype),
+                           max(8, control.SLOTS_PER_CONNECTION * num_ranks),
+                           ("--transport", backend, "--heartbeat", str(cfg.heartbeat),
                             *(("--poll-spin-us", str(cfg.poll_spin_us))
                               if cfg.poll_spin_us is not None else ()),
                             *(("--kernel", cfg.kernel) if cfg.kernel else ()),
                             *(() if cfg.shrink else ("--disable-shrink",))))
+        with blame(origin):
+            local = start_local_servers(
+                model_path, placements, spawn.dtype, spawn.max_clients,
+                avoid_ports=sglang_ports, extra_args=("--monitor", cfg.monitor, *spawn.flags))
             atexit.register(lambda: [s.stop() for s in local])
             wait_registered(cfg.monitor, [s.address for s in local])
         return dataclasses.replace(cfg, expert_servers=RemoteServers(
-            tuple(s.address for s in local)), placement=None, transport=backend,
+            tuple(s.address for s in local)), placement=None, transport=backend, spawn=spawn,
             poll_spin_us=client_poll_spin_us(cfg.poll_spin_us, len(placements), num_ranks))
     if not envs.TOKEN.get():
         raise TransportError(f"expert servers started separately need their shared token: set "

@@ -1,0 +1,174 @@
+"""``--eaas-autoscale``: the autoscaler in SGLang's scheduler (attention rank 0).
+
+AFTER ``SchedulerOutputStreamer.stream_output``, which sees every request's outputs as the
+scheduler produces them: a request's time to first token is from its entry into the waiting
+queue (``time_stats.wait_queue_entry_time``, stamped whether or not metrics are on) to the
+first call that streams an output token of it, its time per output token the rest of its
+time over its other tokens. Finished requests feed ``elastic.autoscaler.Autoscaler``, whose
+windows a thread of its own judges (an idle scheduler streams nothing, and idle windows are
+what scale a tier in); a decision is sent from that thread to the admin API of this SGLang's
+HTTP server (``POST /eaas/autoscale``), which turns it into a server count within the bounds
+and, with ``--eaas-autoscale-act resize``, resizes the tier (``publish``: an orchestrator acts
+on the published count). Every decision is logged with its reason; with ``--enable-metrics``,
+``/metrics`` shows the last window's attainment and pressure, the decisions, and the desired
+and active server counts the admin API answered.
+
+With data parallelism only the first DP rank's requests are judged (each DP rank schedules its
+own); that rank's load stands for the others'.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from sglang_eaas import envs
+from sglang_eaas.elastic.autoscaler import Autoscaler, Decision
+from sglang_eaas.elastic.operations import TOKEN_HEADER
+
+logger = logging.getLogger(__name__)
+ADMIN_TIMEOUT = 30.0
+
+
+class SchedulerAutoscaler:
+    """One scheduler's request timings, its ``Autoscaler`` and what it publishes."""
+
+    def __init__(self, cfg: Any, url: str):
+        self.cfg, self.url = cfg.autoscale, url
+        self.scaler = Autoscaler(self.cfg.policy)
+        self.first_token: dict[str, float] = {}
+        self.metrics = _Metrics.create()
+        # windows are judged on a thread of their own: an idle scheduler streams nothing,
+        # and an idle window is what scales a tier in
+        threading.Thread(target=self._judge_windows, name="eaas-autoscaler",
+                         daemon=True).start()
+
+    def stream_output(self, reqs: list, skip_req: Any = None) -> None:
+        now = time.perf_counter()
+        for req in reqs:
+            if req is skip_req:
+                continue
+            tokens = len(req.output_ids)
+            if tokens and req.rid not in self.first_token:
+                self.first_token[req.rid] = now
+            if req.finished():
+                stats = req.time_stats
+                began = stats.wait_queue_entry_time or stats.scheduler_recv_time or now
+                first = self.first_token.pop(req.rid, now)
+                self.scaler.finished(first - began, (now - first) / max(tokens - 1, 1))
+
+    def _judge_windows(self) -> None:
+        period = min(1.0, self.cfg.policy.window / 4)
+        while True:
+            time.sleep(period)
+            decision = self.scaler.tick()
+            window = self.scaler.last_window
+            if window is not None and self.metrics is not None:
+                self.metrics.window(window)
+            if decision is not None:
+                logger.info("eaas autoscaler: scale %s: %s", decision.direction,
+                            decision.reason)
+                self._publish(decision)
+
+    def _publish(self, decision: Decision) -> None:
+        body = {"direction": decision.direction, "reason": decision.reason,
+                "attainment": decision.window.attainment, "pressure": decision.window.pressure,
+                "min_servers": self.cfg.min_servers, "max_servers": self.cfg.max_servers,
+                "act": self.cfg.act}
+        request = urllib.request.Request(
+            f"{self.url}/eaas/autoscale", data=json.dumps(body).encode(), method="POST",
+            headers={TOKEN_HEADER: envs.TOKEN.get(), "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=ADMIN_TIMEOUT) as reply:
+                answer = json.loads(reply.read())
+        except (OSError, ValueError) as exc:
+            logger.warning("eaas autoscaler: the admin API did not take the decision: %s", exc)
+            return
+        logger.info("eaas autoscaler: desired %s active expert servers (%s active now)%s",
+                    answer.get("desired"), answer.get("active"),
+                    f"; operation {answer['operation']['id']}" if answer.get("operation")
+                    else "")
+        if self.metrics is not None:
+            self.metrics.decided(decision, answer)
+
+
+class _Metrics:
+    """The autoscaler's gauges in SGLang's ``/metrics`` (``--enable-metrics``)."""
+
+    @classmethod
+    def create(cls) -> "_Metrics | None":
+        try:
+            from sglang.srt.runtime_context import get_observability
+
+            if not get_observability().enable_metrics:
+                return None
+        except (ImportError, AttributeError):
+            return None
+        return cls()
+
+    def __init__(self):
+        from prometheus_client import Counter, Gauge
+
+        gauge = dict(multiprocess_mode="livemostrecent")
+        self._attainment = Gauge("sglang_eaas_autoscale_attainment", "SLO attainment of the "
+                                 "autoscaler's last window of finished requests", **gauge)
+        self._pressure = Gauge("sglang_eaas_autoscale_pressure", "The last window's p90 "
+                               "latencies over their targets (the larger of TTFT and TPOT)",
+                               **gauge)
+        self._desired = Gauge("sglang_eaas_autoscale_desired_servers", "Active expert servers "
+                              "the autoscaler last asked for", **gauge)
+        self._active = Gauge("sglang_eaas_autoscale_active_servers", "Active expert servers "
+                             "when the autoscaler last decided", **gauge)
+        self._decisions = Counter("sglang_eaas_autoscale_decisions", "Autoscaler decisions",
+                                  ["direction"])
+
+    def window(self, window) -> None:
+        self._attainment.set(window.attainment)
+        self._pressure.set(window.pressure)
+
+    def decided(self, decision: Decision, answer: dict) -> None:
+        self._decisions.labels(direction=decision.direction).inc()
+        if isinstance(answer.get("desired"), int):
+            self._desired.set(answer["desired"])
+        if isinstance(answer.get("active"), int):
+            self._active.set(answer["active"])
+
+
+_ONE: dict[int, SchedulerAutoscaler | None] = {}  # per streamer object
+
+
+def after_stream_output(result: Any, streamer: Any, reqs: list, return_logprob: bool,
+                        skip_req: Any = None, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``SchedulerOutputStreamer.stream_output``: feed the autoscaler (rank 0 only)."""
+    key = id(streamer)
+    if key not in _ONE:
+        _ONE[key] = _make(streamer.server_args)
+    scaler = _ONE[key]
+    if scaler is not None:
+        scaler.stream_output(reqs, skip_req)
+
+
+def _make(server_args: Any) -> SchedulerAutoscaler | None:
+    cfg = getattr(server_args, "_eaas", None)
+    if cfg is None or cfg.autoscale is None:
+        return None
+    from sglang.srt.runtime_context import get_parallel
+
+    if _rank(get_parallel(), "attn_tp_rank") or _rank(get_parallel(), "attn_dp_rank"):
+        return None
+    logger.info("eaas autoscaler: judging SLO attainment every %gs (TTFT <= %gs, TPOT <= %gs, "
+                "%.0f%% of requests)", cfg.autoscale.policy.window, cfg.autoscale.policy.ttft,
+                cfg.autoscale.policy.tpot, 100 * cfg.autoscale.policy.attainment)
+    return SchedulerAutoscaler(cfg, server_args.url())
+
+
+def _rank(parallel: Any, name: str) -> int:
+    """A rank SGLang's parallel context may not have written in this process: 0 then."""
+    try:
+        return int(getattr(parallel, name))
+    except (AttributeError, RuntimeError, ValueError, TypeError):
+        return 0

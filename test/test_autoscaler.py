@@ -1,0 +1,83 @@
+"""The autoscaler's policy on synthetic latency traces (docs/elastic.md, "Autoscaler"): a
+simulated tier whose latencies are proportional to load / servers, with +-10% noise, driven
+second by second on a fake clock; every decision is applied to the simulated tier."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_eaas.elastic.autoscaler import IN, OUT, Autoscaler, AutoscalePolicy
+
+TTFT, TPOT = 1.0, 0.1
+POLICY = AutoscalePolicy(ttft=TTFT, tpot=TPOT, window=10, patience=2, cooldown=60)
+
+
+class Tier:
+    """Latency / target = 0.5 * load / servers, times noise in [0.9, 1.1]."""
+
+    def __init__(self, servers: int, seed: int = 0):
+        self.servers, self.now = servers, 0.0
+        self.rng = random.Random(seed)
+        self.decisions: list[tuple[float, str]] = []
+
+    def run(self, scaler: Autoscaler, seconds: int, load: float, per_second: int = 4):
+        for _ in range(seconds):
+            self.now += 1
+            for _ in range(per_second):
+                ratio = 0.5 * load / self.servers * self.rng.uniform(0.9, 1.1)
+                scaler.finished(ratio * TTFT, ratio * TPOT)
+            decision = scaler.tick()
+            if decision is not None:
+                self.decisions.append((self.now, decision.direction))
+                self.servers += 1 if decision.direction == OUT else -1
+
+
+def _scaler(tier: Tier) -> Autoscaler:
+    return Autoscaler(POLICY, clock=lambda: tier.now)
+
+
+# nominal latencies at 0.575x, 0.75x and 0.9x of the targets: with +-10% noise every one stays
+# between half the targets (slack) and the targets (violation)
+@pytest.mark.parametrize("load", [2.3, 3.0, 3.6])
+def test_noise_between_the_thresholds_never_scales(load):
+    tier = Tier(servers=2, seed=int(load * 10))
+    tier.run(_scaler(tier), 1200, load)
+    assert tier.decisions == []
+
+
+def test_a_persistent_step_up_scales_out_once_and_a_step_down_in_once_after_the_cooldown():
+    tier = Tier(servers=2)
+    scaler = _scaler(tier)
+    tier.run(scaler, 100, load=3)  # 0.75x the targets on 2 servers
+    assert tier.decisions == []
+    tier.run(scaler, 40, load=5)  # 1.25x on 2: violated; then 0.83x on 3: fine
+    assert [d for _, d in tier.decisions] == [OUT] and tier.servers == 3
+    out_at = tier.decisions[0][0]
+    assert 100 + 2 * POLICY.window <= out_at <= 100 + 3 * POLICY.window  # patience, no more
+    assert "attainment 0% < 90%" in scaler.last_decision.reason
+    tier.run(scaler, 30, load=2.4)  # 0.4x on 3 servers: slack, but within the cooldown
+    assert len(tier.decisions) == 1
+    tier.run(scaler, 400, load=2.4)  # one server fewer: 0.6x on 2, no longer slack
+    assert [d for _, d in tier.decisions] == [OUT, IN] and tier.servers == 2
+    assert tier.decisions[1][0] - out_at >= POLICY.cooldown
+    assert "p90 latencies at 0.4" in scaler.last_decision.reason
+
+
+def test_a_short_spike_and_a_quiet_tier():
+    tier = Tier(servers=2)
+    scaler = _scaler(tier)
+    tier.run(scaler, 100, load=3)
+    tier.run(scaler, POLICY.window, load=8)  # one violated window: not persistent
+    tier.run(scaler, 100, load=3)
+    assert tier.decisions == []
+    tier.run(scaler, 60, load=0, per_second=0)  # no requests at all: slack
+    assert [d for _, d in tier.decisions] == [IN]
+    assert scaler.last_window.requests == 0
+
+
+def test_bad_policies_are_refused():
+    for bad in (dict(ttft=0), dict(attainment=1.5), dict(slack=1.0), dict(patience=0)):
+        with pytest.raises(ValueError, match="out of range"):
+            AutoscalePolicy(**{"ttft": 1.0, "tpot": 0.1, **bad})
