@@ -41,7 +41,7 @@ from sglang_eaas.holdings import Holdings
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError
 
 from bench_lib.report import Report, default_out, pyplot, save_figure, say
-from bench_lib.streams import Run, closed_loop
+from bench_lib.streams import Run, closed_loop, longest_gap, throughput
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 3.0  # seconds at the start of each run left out of the averages (prefill ramp)
@@ -138,26 +138,6 @@ def load(url: str, args, vocab: int, seed: int, faults=lambda run: None) -> Run:
 
     return closed_loop(url, prompt_of, args.output_len, args.concurrency, args.duration,
                        during=faults)
-
-
-def tokens_between(run: Run, start: float, end: float) -> int:
-    return sum(start <= t - run.started < end for times in run.arrivals for t in times)
-
-
-def throughput(run: Run, start: float, end: float) -> float:
-    return tokens_between(run, start, end) / (end - start)
-
-
-def longest_gap(run: Run, start: float, end: float) -> float:
-    """The longest wait of any request between two of its tokens (or from the window's start
-    to its next token) within [start, end), in seconds."""
-    longest = 0.0
-    for times in run.arrivals:
-        rel = [t - run.started for t in times]
-        for a, b in zip(rel, rel[1:]):
-            if b >= start and a < end:
-                longest = max(longest, b - max(a, start))
-    return longest
 
 
 def windows(run: Run, duration: float) -> list[float]:

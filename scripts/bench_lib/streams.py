@@ -80,3 +80,23 @@ def closed_loop(url: str, prompt_of: Callable[[int, int], str | list[int]], outp
         w.join()
     side.join()
     return run
+
+
+def tokens_between(run: Run, start: float, end: float) -> int:
+    return sum(start <= t - run.started < end for times in run.arrivals for t in times)
+
+
+def throughput(run: Run, start: float, end: float) -> float:
+    return tokens_between(run, start, end) / (end - start)
+
+
+def longest_gap(run: Run, start: float, end: float) -> float:
+    """The longest wait of any request between two of its tokens (or from the window's start
+    to its next token) within [start, end), in seconds."""
+    longest = 0.0
+    for times in run.arrivals:
+        rel = [t - run.started for t in times]
+        for a, b in zip(rel, rel[1:]):
+            if b >= start and a < end:
+                longest = max(longest, b - max(a, start))
+    return longest
