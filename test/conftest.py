@@ -34,6 +34,23 @@ def tiny_qwen3() -> Path:
 
 
 @pytest.fixture(scope="session")
+def info(tiny_qwen3):
+    """The tiny Qwen3-MoE's MoE shape."""
+    from sglang_eaas.model_info import MoeModelInfo
+
+    return MoeModelInfo.from_model_path(tiny_qwen3)
+
+
+@pytest.fixture(scope="session")
+def hf_experts(tiny_qwen3):
+    """The reference: transformers' own routed-expert modules of the tiny Qwen3-MoE, loaded by
+    its own from_pretrained (hf_reference.py)."""
+    from hf_reference import hf_routed_experts
+
+    return hf_routed_experts(tiny_qwen3)
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral() -> Path:
     return model_path(replace(PRESETS["tiny"], arch="mixtral"))
 

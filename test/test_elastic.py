@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from conftest import open_log
-from hf_reference import assert_matches_hf, hf_routed_experts
+from hf_reference import assert_matches_hf
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.elastic.plan import PlanError, moved, resize_holdings
 from sglang_eaas.elastic.resize import Resizer, ResizeError, active_and_standby
 from sglang_eaas.holdings import AdapterExpert, Holdings, ServerHoldings
 from sglang_eaas.launcher.local_servers import LocalLauncher, start_local_servers
-from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 from sglang_eaas.protocol.control import probe
 from tier_steps import one_step, routed_batch, wait_until
@@ -80,16 +79,6 @@ def test_a_resize_placement_keeps_adapters_and_refuses_bad_sets():
 
 
 # -- live ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def info(tiny_qwen3) -> MoeModelInfo:
-    return MoeModelInfo.from_model_path(tiny_qwen3)
-
-
-@pytest.fixture(scope="module")
-def hf_experts(tiny_qwen3):
-    return hf_routed_experts(tiny_qwen3)
-
-
 @pytest.fixture()
 def tier(tiny_qwen3, info, request):
     """A monitor, two active servers (experts 0-3 on one, 4-7 on the other, every layer), a

@@ -85,7 +85,8 @@ def test_admin_api_refusals(server):
     missing = requests.get(f"{server.url}/eaas/operations/nope", headers={TOKEN_HEADER: TOKEN},
                            timeout=30)
     assert missing.status_code == 404
-    assert scale.main([server.url, "to", "3", "--id", "out-1"]) == 1  # that id asked for 4
+    assert scale.main([server.url, "to", "2", "--id", "same"]) == 0  # already 2: a no-op
+    assert scale.main([server.url, "to", "3", "--id", "same"]) == 1  # that id asked for 2
 
 
 def test_the_autoscaler_scales_out_under_a_load_step_and_in_when_it_ends():

@@ -14,14 +14,13 @@ import psutil
 import pytest
 import torch
 from conftest import model_path, open_log
-from hf_reference import assert_matches_hf, hf_routed_experts
+from hf_reference import assert_matches_hf
 from ibgda_backends import BACKENDS, backend_transport
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.launcher.prepare import probe
 from sglang_eaas.launcher.local_servers import start_local_servers
-from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol import ProtocolError, RequestHeader, SlotState
 from sglang_eaas.protocol.control import JoinRequest
 from sglang_eaas.protocol.lines import Channel
@@ -31,11 +30,6 @@ from sglang_eaas.tools.make_tiny_model import PRESETS
 from ibgda import TransportError
 
 PLACEMENT = [[0, 1, 2, 3], [4, 5, 6, 7, 0]]  # expert 0 has a replica
-
-
-@pytest.fixture(scope="module")
-def info(tiny_qwen3) -> MoeModelInfo:
-    return MoeModelInfo.from_model_path(tiny_qwen3)
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +52,6 @@ def _identity() -> ModelIdentity:
 
 def _client(servers, info, name="test") -> EaasClient:
     return EaasClient([s.address for s in servers], info, _identity(), torch.float32, name)
-
-
-@pytest.fixture(scope="module")
-def hf_experts(tiny_qwen3) -> dict[int, torch.nn.Module]:
-    """The reference: transformers' own expert modules, loaded by its own from_pretrained."""
-    return hf_routed_experts(tiny_qwen3)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 200])

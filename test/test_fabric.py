@@ -38,11 +38,6 @@ from ibgda.backends.shm import remove_orphans
 TOKEN = os.environ["SGLANG_EAAS_TOKEN"]
 
 
-@pytest.fixture(scope="module")
-def info(tiny_qwen3) -> MoeModelInfo:
-    return MoeModelInfo.from_model_path(tiny_qwen3)
-
-
 def checkpoint_rows(model, info: MoeModelInfo, layer: int, expert: int, dtype=torch.float32):
     """One expert's ``w13`` (gate then up) and ``w2``, read with safetensors directly."""
     files = tensor_files(model)

@@ -14,11 +14,10 @@ import pytest
 import torch
 from conftest import open_log
 from tier_steps import one_step, routed_batch, wait_until
-from hf_reference import assert_matches_hf, hf_routed_experts
+from hf_reference import assert_matches_hf
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.launcher.local_servers import start_local_servers
-from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 from sglang_eaas.protocol.control import AddExperts, DropExperts, ExpertWeights, call, probe
 from sglang_eaas.protocol.lines import Refused
@@ -36,16 +35,6 @@ def monitor():
     made = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=LOSS)).start()
     yield made
     made.close()
-
-
-@pytest.fixture(scope="module")
-def info(tiny_qwen3) -> MoeModelInfo:
-    return MoeModelInfo.from_model_path(tiny_qwen3)
-
-
-@pytest.fixture(scope="module")
-def hf_experts(tiny_qwen3):
-    return hf_routed_experts(tiny_qwen3)
 
 
 @pytest.fixture()

@@ -120,12 +120,8 @@ def install(app: Any, cfg: EaasConfig, model_path: str) -> TierAdmin:
     async def scale(request: Request):
         if (no := refused(request)) is not None:
             return no
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
-        servers = body.get("servers") if isinstance(body, dict) else None
-        op_id = body.get("id", "") if isinstance(body, dict) else ""
+        body = await _body(request)
+        servers, op_id = body.get("servers"), body.get("id", "")
         if type(servers) is not int or servers < 1 or not isinstance(op_id, str):
             return JSONResponse({"error": 'the body is {"servers": N >= 1, "id": "optional '
                                           'operation id"}'}, status_code=400)
@@ -147,11 +143,8 @@ def install(app: Any, cfg: EaasConfig, model_path: str) -> TierAdmin:
     async def autoscale(request: Request):
         if (no := refused(request)) is not None:
             return no
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
-        ok = (isinstance(body, dict) and body.get("direction") in ("out", "in")
+        body = await _body(request)
+        ok = (body.get("direction") in ("out", "in")
               and isinstance(body.get("reason"), str) and body.get("act") in ACTS
               and all(type(body.get(k)) is int and body[k] >= 1
                       for k in ("min_servers", "max_servers")))
@@ -168,3 +161,12 @@ def install(app: Any, cfg: EaasConfig, model_path: str) -> TierAdmin:
     logger.info("sglang-eaas: admin API on /eaas/tier, /eaas/scale (%s)",
                 "local launcher" if launcher else "standby servers only")
     return admin
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    """The request's JSON object ({} when it is not one)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
