@@ -18,6 +18,7 @@ The owner of a region cannot be woken by a kernel's store, so it polls (like ``m
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Sequence
 
@@ -45,7 +46,32 @@ def _kernels():
         from ibgda import kernels
     except ImportError as exc:
         raise TransportError(f"the device transport needs triton: {exc}") from exc
+    _one_interpreted_launch_at_a_time()
     return kernels
+
+
+_INTERPRETER = threading.RLock()
+
+
+def _one_interpreted_launch_at_a_time() -> None:
+    """The Triton interpreter keeps a launch's state in module globals, so two threads
+    interpreting kernels at once break each other ("Did you forget to add @triton.jit?": seen
+    when a client's closing thread stored a slot's flag while its stepping thread dispatched).
+    Every interpreted launch in this process takes one lock; on a GPU launches from several
+    threads are fine and this is never installed."""
+    from triton.runtime import interpreter
+
+    cls = interpreter.InterpretedFunction
+    if getattr(cls.run, "one_at_a_time", False):
+        return
+    run = cls.run
+
+    def serial(self, *args, **kwargs):
+        with _INTERPRETER:
+            return run(self, *args, **kwargs)
+
+    serial.one_at_a_time = True
+    cls.run = serial
 
 
 class DeviceRemoteRegion(RemoteRegion):
