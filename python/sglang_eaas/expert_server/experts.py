@@ -124,9 +124,7 @@ def grown(base: LayerExperts | None, experts: list[int], size: int, store: Weigh
                + ([] if base is None else [base.local_index.numel()]))
     out13, out2, backing = store.empty(len(kept) + len(experts))
     if kept:
-        rows = base.local_index[torch.tensor(kept, dtype=torch.long)]
-        torch.index_select(base.w13, 0, rows, out=out13[:len(kept)])
-        torch.index_select(base.w2, 0, rows, out=out2[:len(kept)])
+        _copy_rows(base, kept, out13[:len(kept)], out2[:len(kept)])
     layer = LayerExperts(out13, out2, index_of(kept + list(experts), size), backing)
     return layer, out13[len(kept):], out2[len(kept):]
 
@@ -146,8 +144,14 @@ def without_experts(layer: LayerExperts, experts: list[int], store: WeightStore
     keep = [e for e in held(layer) if e not in set(experts)]
     if not keep:
         return None
-    rows = layer.local_index[torch.tensor(keep, dtype=torch.long)]
     out13, out2, backing = store.empty(len(keep))
+    _copy_rows(layer, keep, out13, out2)
+    return LayerExperts(out13, out2, index_of(keep, layer.local_index.numel()), backing)
+
+
+def _copy_rows(layer: LayerExperts, experts: list[int], out13: torch.Tensor,
+               out2: torch.Tensor) -> None:
+    """``experts``' rows of ``layer`` into ``out13``/``out2``, in that order."""
+    rows = layer.local_index[torch.tensor(experts, dtype=torch.long)]
     torch.index_select(layer.w13, 0, rows, out=out13)
     torch.index_select(layer.w2, 0, rows, out=out2)
-    return LayerExperts(out13, out2, index_of(keep, layer.local_index.numel()), backing)
