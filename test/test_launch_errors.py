@@ -61,6 +61,11 @@ def test_each_bad_input_is_one_sentence_and_no_traceback(tiny_qwen3, tiny_mixtra
          "names layers [7], which are not MoE layers of the model"),
         (["--eaas-placement", _write(tmp_path / "nobody.json", {"servers": {nobody: every}})],
          f"--eaas-placement {tmp_path / 'nobody.json'}: expert server {nobody} is unreachable"),
+        (["--eaas-autoscale", "--eaas-autoscale-ttft", "2"],
+         "--eaas-autoscale needs its targets: --eaas-autoscale-ttft SECONDS and "
+         "--eaas-autoscale-tpot SECONDS"),
+        (["--eaas-autoscale-ttft", "2"],
+         "--eaas-autoscale-ttft only apply with --eaas-autoscale"),
         (["--eaas-expert-servers", "node-a"],
          "argument --eaas-expert-servers: 'node-a' is not HOST:PORT"),
         (["--eaas-expert-servers", nobody],
