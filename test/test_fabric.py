@@ -27,7 +27,7 @@ from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 from sglang_eaas.protocol.control import (
-    AddExperts, ExportWeights, ReleaseWeights, call, probe,
+    AddExperts, DropExperts, ExportWeights, ReleaseWeights, call, probe,
 )
 from sglang_eaas.protocol.lines import Refused
 from tier_steps import one_step, routed_batch, wait_until
@@ -145,6 +145,53 @@ def test_fills_over_the_fabric_map_read_and_convert(started, tiny_qwen3, info):
     assert half.held.layers[first].w13.dtype == torch.bfloat16
     assert not half.held.layers[first].backing.mapped  # copy mode, and another dtype
     assert_holds_checkpoint(half, tiny_qwen3, first, [2, 3])
+
+
+def test_spare_rows_take_adds_in_place_and_a_standby_fills_its_reserved_regions(
+        started, tiny_qwen3, info):
+    """With spare rows an add writes only its new rows, past the held ones in the layer's own
+    region (those neither copied nor moved); a drop unmaps the id and leaves every row where
+    it is; an add that does not fit compacts the live rows into a new region with spare rows
+    again. A standby server's first fill of a layer lands in the region it reserved."""
+    first, second = info.moe_layers
+    monitor = MonitorServer(MonitorConfig(token=TOKEN)).start()
+    try:
+        holder = started(range(8), monitor=monitor.address)
+        receiver = started(layer_experts={first: (0, 1), second: (0,)}, spare_experts=3,
+                           weight_fabric="copy", monitor=monitor.address)
+        before = receiver.held.layers[first]
+        assert (before.backing.rows, before.backing.used, before.w13.shape[0]) == (5, 2, 2)
+        kept_row = before.w13[1].clone()
+        call(receiver.address, AddExperts(first, [5, 4], holder.address), TOKEN)
+        after = receiver.held.layers[first]
+        assert after.backing is before.backing and after.w13.data_ptr() == before.w13.data_ptr()
+        assert after.w13.shape[0] == 4 and after.local_index[[5, 4]].tolist() == [2, 3]
+        assert torch.equal(after.w13[1], kept_row)  # held rows untouched
+        assert_holds_checkpoint(receiver, tiny_qwen3, first, [0, 1, 4, 5])
+
+        call(receiver.address, DropExperts(first, [1], grace=0.0), TOKEN)
+        wait_until(lambda: int(receiver.held.layers[first].local_index[1]) < 0, 10, "the drop")
+        dropped = receiver.held.layers[first]
+        assert dropped.backing is before.backing and dropped.w13.shape[0] == 4  # row 1: dead
+        assert row_experts(dropped).tolist() == [0, -1, 5, 4]
+
+        call(receiver.address, AddExperts(first, [2, 3], holder.address), TOKEN)  # 1 row free
+        compacted = receiver.held.layers[first]
+        assert compacted.backing is not before.backing
+        assert (compacted.backing.rows, compacted.backing.used) == (5 + 3, 5)
+        assert row_experts(compacted).tolist() == [0, 5, 4, 2, 3]  # live rows, in order
+        assert_holds_checkpoint(receiver, tiny_qwen3, first, [0, 2, 3, 4, 5])
+
+        standby = started(layer_experts={first: (), second: ()}, spare_experts=4,
+                          weight_fabric="copy", monitor=monitor.address)
+        assert standby.held.store.reserved() == 2  # one pre-faulted region per MoE layer
+        call(standby.address, AddExperts(second, [7, 1, 6], holder.address), TOKEN)
+        filled = standby.held.layers[second]
+        assert standby.held.store.reserved() == 1
+        assert (filled.backing.rows, filled.backing.used) == (4, 3)
+        assert_holds_checkpoint(standby, tiny_qwen3, second, [1, 6, 7])
+    finally:
+        monitor.close()
 
 
 def test_leases_keep_a_lent_version_and_refusals(started, info):

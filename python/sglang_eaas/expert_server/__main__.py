@@ -94,6 +94,18 @@ def parse_args(argv: list[str] | None = None):
                    "always reads a peer's rows into its own region; 'off' keeps weights in "
                    "plain memory and moves them over the control channel (the slow path; "
                    "docs/elastic.md); default %(default)s")
+    p.add_argument("--spare-experts", type=int, default=-1, metavar="N",
+                   help="rows of room per MoE layer past the experts held, in the layer's "
+                   "fabric region, faulted in at start: replicas added later are written there "
+                   "in place (warm memory, nothing else copied) until they run out, then the "
+                   "layer is compacted into a new region with N spare rows again (a standby "
+                   "server reserves a region of N rows per MoE layer for its first fill); "
+                   "default: a quarter of the most experts held in a layer (at least 2), for a "
+                   "standby server a quarter of the model's experts")
+    p.add_argument("--fill-threads", type=int, default=0, metavar="N",
+                   help="threads that copy a fill's rows from a peer on this host (a copy of "
+                   "this size is bound by how many cores write); default: this machine's "
+                   "cores, at most 8")
     p.add_argument("--monitor", default="", metavar="ADDR",
                    help="register with this monitor, so that clients find this server, start "
                    "sending to it at their next step and fail over when it is lost: an SGLang "
@@ -150,6 +162,10 @@ def parse_args(argv: list[str] | None = None):
     for flag in ("max_clients", "max_tokens", "min_batch_tokens", "threads"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.spare_experts < -1:
+        p.error("--spare-experts must be >= 0")
+    if args.fill_threads < 0:
+        p.error("--fill-threads must be >= 1")
     for flag in ("max_wait_us", "poll_spin_us"):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
@@ -174,6 +190,7 @@ def parse_args(argv: list[str] | None = None):
         max_wait_us=args.max_wait_us, poll_spin_us=args.poll_spin_us, threads=args.threads,
         layer_experts=layer_experts, monitor=args.monitor, heartbeat=args.heartbeat,
         kernel=args.kernel, shrink=not args.disable_shrink, weight_fabric=args.weight_fabric,
+        spare_experts=args.spare_experts, fill_threads=args.fill_threads,
     )
 
 

@@ -29,8 +29,9 @@ class LayerExperts:
     ``w13 [E_local, 2 * I, H]`` (gate rows, then up rows) and ``w2 [E_local, H, I]`` exactly as
     SGLang's FusedMoE stores them; ``local_index [num_experts]`` maps a global expert id to its
     row here, -1 for experts this server does not hold. A row no id maps to is never read
-    (a layer mapped from a peer keeps the peer's rows). ``backing``: the fabric region the rows
-    live in (None: plain memory).
+    (a layer mapped from a peer keeps the peer's rows; a dropped expert's row stays until the
+    layer is compacted). ``backing``: the fabric region the rows live in (None: plain memory);
+    versions of a layer may share one (``weight_store.py``, "Spare rows").
     """
 
     w13: torch.Tensor
@@ -115,13 +116,22 @@ def row_experts(layer: LayerExperts) -> np.ndarray:
 
 def grown(base: LayerExperts | None, experts: list[int], size: int, store: WeightStore
           ) -> tuple[LayerExperts, torch.Tensor, torch.Tensor]:
-    """A new version of a layer in ``store``: ``base``'s experts (the rows of those it holds,
-    in their order; None: a layer not held yet), then rows for ``experts``, which the caller
-    fills through the returned ``w13``, ``w2`` views of them. ``size``: the local index's
-    length at least (ESFT adapter experts' physical ids pass the model's expert count)."""
-    kept = [] if base is None else held(base)
+    """A new version of a layer in ``store``: ``base``'s experts (None: a layer not held yet),
+    then rows for ``experts``, which the caller fills through the returned ``w13``, ``w2`` views
+    of them. The new rows are appended in place where ``base``'s region has room for them (its
+    rows are shared, not copied); else the version is a new region with ``base``'s live rows
+    copied in order (compaction). ``size``: the local index's length at least (ESFT adapter
+    experts' physical ids pass the model's expert count)."""
     size = max([size, *(e + 1 for e in experts)]
                + ([] if base is None else [base.local_index.numel()]))
+    room = None if base is None else store.append(base.backing, len(experts))
+    if room is not None:
+        w13, w2, start = room
+        index = torch.full((size,), -1, dtype=torch.long)
+        index[:base.local_index.numel()] = base.local_index
+        index[torch.tensor(experts, dtype=torch.long)] = torch.arange(start, w13.shape[0])
+        return LayerExperts(w13, w2, index, base.backing), w13[start:], w2[start:]
+    kept = [] if base is None else held(base)
     out13, out2, backing = store.empty(len(kept) + len(experts))
     if kept:
         _copy_rows(base, kept, out13[:len(kept)], out2[:len(kept)])
@@ -140,10 +150,16 @@ def with_experts(layer: LayerExperts | None, experts: list[int], w13: torch.Tens
 
 def without_experts(layer: LayerExperts, experts: list[int], store: WeightStore
                     ) -> LayerExperts | None:
-    """A new ``LayerExperts`` in ``store`` without ``experts``' rows (None: nothing left)."""
+    """A new ``LayerExperts`` without ``experts`` (None: nothing left): the same rows with
+    those ids unmapped where the rows are this server's own region's (their rows stay, dead,
+    until the layer is compacted); else a new version holding the others' rows."""
     keep = [e for e in held(layer) if e not in set(experts)]
     if not keep:
         return None
+    if layer.backing is not None and not layer.backing.mapped:
+        index = layer.local_index.clone()
+        index[torch.tensor([e for e in experts if e < index.numel()], dtype=torch.long)] = -1
+        return LayerExperts(layer.w13, layer.w2, index, layer.backing)
     out13, out2, backing = store.empty(len(keep))
     _copy_rows(layer, keep, out13, out2)
     return LayerExperts(out13, out2, index_of(keep, layer.local_index.numel()), backing)

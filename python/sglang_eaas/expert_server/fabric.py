@@ -10,8 +10,10 @@ adapter), then
 * maps the region and computes with the holder's rows in place (zero copies) where the layout
   allows: the same host (``shm``), the same dtype, and nothing of that layer held yet (the
   mode ``map``; ElasticMoE's zero-copy reuse of resident weights);
-* else reads the rows one-sidedly into its next version of the layer (``shm``: one memcpy;
-  ``mooncake``: one Transfer Engine read per run of rows), without the holder's CPU.
+* else reads the rows one-sidedly into its next version of the layer (``shm``: a memcpy split
+  over ``threads`` threads; ``mooncake``: one Transfer Engine read per run of rows), without
+  the holder's CPU. The rows land in the layer's spare rows where it has room (warm memory:
+  ``weight_store.py``), else in a new region.
 
 No byte checksum is taken: ``shm`` reads the holder's memory itself, and Mooncake's transports
 (TCP, RDMA) check their own frames; the digests make sure the rows are the right experts.
@@ -20,11 +22,13 @@ The control channel carries only the lease (docs/protocol.md, "Weight fabric").
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,8 +91,9 @@ class WeightExports:
             self._leases = {k: v for k, v in self._leases.items() if v[1] > now}
             self._leases[lease] = (layer, now + LEASE)
         backing = layer.backing
+        # the rows of the version lent (not the region's spare rows, written later)
         return WeightsRegion(lease, backing.region.handle.to_dict(), DTYPE_NAMES[held.dtype],
-                             backing.rows, backing.w2_offset, list(request.experts), rows,
+                             layer.w13.shape[0], backing.w2_offset, list(request.experts), rows,
                              [digests[e] for e in request.experts])
 
     def release(self, request: ReleaseWeights) -> Done:
@@ -116,14 +121,35 @@ class FabricReader:
     """The reader's side: one per server, over its ``WeightStore`` (its transport reaches the
     holders' regions of the same backend)."""
 
-    def __init__(self, store: WeightStore, mode: str, token: str, timeout: float):
+    def __init__(self, store: WeightStore, mode: str, token: str, timeout: float,
+                 threads: int = 1):
         if mode not in MODES:
             raise ValueError(f"weight fabric mode must be one of {MODES}, got {mode!r}")
+        if threads < 1:
+            raise ValueError(f"fill threads must be >= 1, got {threads}")
         self.store, self.mode, self.token, self.timeout = store, mode, token, timeout
+        self.threads = threads
+        # the copying threads, started now (a fill does not wait for threads to start), which
+        # also unmap a peer's region after a read (unmapping is not the fill's to wait for)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="eaas-fill")
+        started = threading.Barrier(threads)
+        for _ in range(threads):
+            self._pool.submit(started.wait, 10.0)
+        self._channels: dict[str, _Kept] = {}  # holder -> its kept control connection
+        self._channels_lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off" and self.store.transport is not None
+
+    def close(self) -> None:
+        """Stop the copying threads (once what they were given is done) and close the kept
+        connections."""
+        self._pool.shutdown(wait=True)
+        with self._channels_lock:
+            kept, self._channels = list(self._channels.values()), {}
+        for connection in kept:
+            connection.channel.close()
 
     def fill(self, source: str, layer_id: int, base: LayerExperts | None, experts: list[int],
              digests: dict[int, str], num_experts: int, adapter: bool = False) -> Fill:
@@ -133,19 +159,45 @@ class FabricReader:
         Raises ``TransportError``/``ControlError`` where the holder cannot lend them over the
         fabric (then the caller reads them otherwise), ``ValueError`` where it holds other
         weights under those ids."""
-        channel = Channel(source, self.token, self.timeout)
+        kept, lent = self._lease(source, ExportWeights(layer_id, list(experts), adapter))
         try:
-            lent = channel.call(ExportWeights(layer_id, list(experts), adapter))
+            return self._fill_from(lent, base, experts, digests, num_experts, source)
+        finally:  # given back off the fill's path (it expires on its own if that fails)
+            self._pool.submit(self._release, source, kept, lent.lease)
+
+    def _lease(self, source: str, request: ExportWeights) -> tuple["_Kept", WeightsRegion]:
+        """The holder's answer, over the connection kept to it (a new one where that broke:
+        the holder may have closed it)."""
+        with self._channels_lock:
+            kept = self._channels.get(source)
+        if kept is not None:
             try:
-                return self._fill_from(lent, base, experts, digests, num_experts, source)
-            finally:
-                try:
-                    channel.call(ReleaseWeights(lent.lease))
-                except (TransportError, ControlError) as exc:  # it expires on its own
-                    logger.debug("could not give lease %s back to %s: %s", lent.lease, source,
-                                 exc)
-        finally:
-            channel.close()
+                return kept, kept.call(request)
+            except TransportError:
+                self._forget(source, kept)
+        kept = _Kept(Channel(source, self.token, self.timeout))
+        try:
+            lent = kept.call(request)
+        except TransportError:
+            kept.channel.close()
+            raise
+        with self._channels_lock:
+            self._channels[source] = kept
+        return kept, lent
+
+    def _forget(self, source: str, kept: "_Kept") -> None:
+        with self._channels_lock:
+            if self._channels.get(source) is kept:
+                del self._channels[source]
+        kept.channel.close()
+
+    def _release(self, source: str, kept: "_Kept", lease: str) -> None:
+        try:
+            kept.call(ReleaseWeights(lease))
+        except (TransportError, ControlError) as exc:
+            logger.debug("could not give lease %s back to %s: %s", lease, source, exc)
+            if isinstance(exc, TransportError):
+                self._forget(source, kept)
 
     def _fill_from(self, lent: WeightsRegion, base: LayerExperts | None, experts: list[int],
                    digests: dict[int, str], num_experts: int, source: str) -> Fill:
@@ -173,7 +225,7 @@ class FabricReader:
         try:
             return self._read(peer, lent, dtype, base, experts, size)
         finally:
-            peer.close()
+            self._pool.submit(peer.close)
 
     def _read(self, peer: ibgda.RemoteRegion, lent: WeightsRegion, dtype: torch.dtype,
               base: LayerExperts | None, experts: list[int], size: int) -> Fill:
@@ -190,9 +242,38 @@ class FabricReader:
                     peer.read(offset + at * rows, staged)
                     dst.copy_(staged)
                 else:
-                    peer.read(offset + at * rows, dst)
+                    self._read_rows(peer, offset + at * rows, dst)
                 read += count * rows
         return Fill(next_layer, False, read)
+
+    def _read_rows(self, peer: ibgda.RemoteRegion, offset: int, dst: torch.Tensor) -> None:
+        """``dst`` (rows, contiguous) from the peer's region at ``offset``: where the region is
+        mapped here (``shm``), ``memcpy`` split over ``threads`` threads (a copy of this size is
+        bound by how many cores write; glibc's ``memcpy`` streams large copies, torch's
+        ``copy_`` does not); else one read."""
+        nbytes = dst.numel() * dst.element_size()
+        src = peer.mapped(offset, nbytes)
+        if src is None:
+            peer.read(offset, dst)
+            return
+        to, at = dst.data_ptr(), src.data_ptr()
+        step = -(-nbytes // self.threads)
+        parts = [self._pool.submit(ctypes.memmove, to + i, at + i, min(step, nbytes - i))
+                 for i in range(0, nbytes, step)]
+        for part in parts:
+            part.result()
+
+
+@dataclass
+class _Kept:
+    """A control connection kept to a holder, one call at a time."""
+
+    channel: Channel
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def call(self, request):
+        with self.lock:
+            return self.channel.call(request)
 
 
 def runs(rows: list[int]) -> list[tuple[int, int, int]]:

@@ -51,7 +51,8 @@ class Replicas:
     def __init__(self, server: "ExpertServer"):
         self.server, self.held = server, server.held
         self.fabric = FabricReader(server.held.store, server.config.weight_fabric,
-                                   server.config.token, FETCH_TIMEOUT)
+                                   server.config.token, FETCH_TIMEOUT,
+                                   server.fill_threads)
         self._change = threading.Lock()  # one add or drop at a time
         self._retirer: threading.Thread | None = None
 

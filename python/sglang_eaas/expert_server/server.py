@@ -18,6 +18,7 @@ import torch
 import ibgda
 from sgl_kernel_ext import cpu_ops
 from sglang_eaas import transports
+from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.expert_server.compute import local_experts, weighted_expert_sum
 from sglang_eaas.expert_server.control import control_endpoint
 from sglang_eaas.expert_server.expert_load import ExpertLoad
@@ -60,11 +61,30 @@ class ExpertServerConfig:
     kernel: str = "fast"  # the expert math: "fast" (C++ grouped kernel) or "reference" (compute)
     shrink: bool = True  # fast kernel: walk only the active experts (False: all, an ablation)
     weight_fabric: str = "map"  # fabric.MODES: map (zero-copy where it can) | copy | off
+    spare_experts: int = -1  # spare rows per MoE layer's region; -1: spare_rows() decides
+    fill_threads: int = 0  # threads copying a fill's rows; 0: min(cores, FILL_THREADS)
 
     def holdings(self, moe_layers: tuple[int, ...]) -> ServerHoldings:
         """Which experts this server holds in each MoE layer (possibly none in some)."""
         return ServerHoldings({layer: self.layer_experts.get(layer, self.experts)
                                for layer in moe_layers})
+
+
+FILL_THREADS = 8  # the most threads a fill copies with by default
+
+
+def spare_rows(config: ExpertServerConfig, info: MoeModelInfo) -> int:
+    """Spare rows per MoE layer's region (``--spare-experts``): by default a quarter of the
+    most experts held in a layer (at least 2); for a server holding none (standby), a quarter
+    of the model's experts, the share of one server in a four-server tier."""
+    if config.spare_experts >= 0:
+        return config.spare_experts
+    most = max(map(len, config.holdings(info.moe_layers).values()), default=0)
+    return max(2, -(-(most or info.num_experts) // 4))
+
+
+def fill_threads(config: ExpertServerConfig) -> int:
+    return config.fill_threads or max(1, min(os.cpu_count() or 1, FILL_THREADS))
 
 
 def fabric_transport(slots: ibgda.Transport, mode: str) -> ibgda.Transport | None:
@@ -102,7 +122,10 @@ class ExpertServer:
         self.held = HeldExperts(
             config.model_path, self.info, config.holdings(self.info.moe_layers),
             WeightStore(fabric_transport(self.transport, config.weight_fabric), self.info,
-                        self.dtype), self._announce)
+                        self.dtype, spare_rows(config, self.info)), self._announce)
+        if not any(self.held.holdings.values()):  # standby: warm for its first fill, which
+            self.held.store.reserve(len(self.info.moe_layers))  # lands in faulted-in memory
+            self.held.learn_digests(expert_digests(config.model_path, self.info))  # checked
         self.exports = None  # WeightExports, once the control endpoint has its address
         self.region_layout = RegionLayout.for_requests(
             config.max_clients, config.max_tokens, self.info.hidden_size, self.info.top_k)
@@ -125,6 +148,7 @@ class ExpertServer:
         self._stop = threading.Event()
         self.tick = time.monotonic()  # the serving loop's last pass (``healthy``)
         self.tier = None  # expert_server.tier.ServerTier once registered with a monitor
+        self.fill_threads = fill_threads(config)
         self.replicas = Replicas(self)  # holdings changed while serving
 
     @property
@@ -377,6 +401,7 @@ class ExpertServer:
         if self.tier is not None:
             self.tier.close()
         self.control.close()
+        self.replicas.fabric.close()
         self.region.close()
 
 

@@ -296,7 +296,7 @@ class WeightsRegion(Message):
     lease: str
     region: dict  # ibgda.RegionHandle.to_dict()
     dtype: str  # float32 | bfloat16 | float16
-    rows: int  # experts in the region
+    rows: int  # rows of the version lent (the region may have spare rows past them)
     w2_offset: int
     experts: list[int]
     expert_rows: list[int]  # experts[i]'s row in the region
