@@ -66,6 +66,18 @@ def test_a_resize_placement_keeps_replicas_evens_counts_and_moves_least(servers)
                len(servers) < 4 for s in staying)
 
 
+def test_a_resize_placement_after_a_loss_makes_the_lost_replicas_again():
+    before = _striped(4, 3)
+    after_loss = before.only(["s0", "s1", "s3"])  # s2 lost mid-resize
+    servers = ["s0", "s1", "s3", "n0"]
+    assert _replicas(resize_holdings(after_loss, servers, 32), 0) != {e: 3 for e in range(32)}
+    target = resize_holdings(after_loss, servers, 32, replicas_of=before)
+    for layer in (0, 1):
+        assert _replicas(target, layer) == {e: 3 for e in range(32)}
+        for s in ("s0", "s1", "s3"):  # the survivors keep what they hold, up to their share
+            assert len(set(target[s][layer]) & set(after_loss[s][layer])) >= 24 - 1
+
+
 def test_a_resize_placement_keeps_adapters_and_refuses_bad_sets():
     adapter = ServerHoldings({0: [0, 1, 40], 1: [0]}, {0: {40: AdapterExpert("a", 3, "d")}})
     current = Holdings({"s0": adapter, "s1": {0: [2, 3], 1: [1, 2, 3]}})
@@ -79,18 +91,23 @@ def test_a_resize_placement_keeps_adapters_and_refuses_bad_sets():
 
 
 # -- live ---------------------------------------------------------------------------------------
+REPLICATED = [[0, 1, 2, 3, 4, 5], [0, 1, 4, 5, 6, 7], [2, 3, 6, 7]]  # each expert on two
+
+
 @pytest.fixture()
 def tier(tiny_qwen3, info, request):
-    """A monitor, two active servers (experts 0-3 on one, 4-7 on the other, every layer), a
-    launcher of standby servers and a client."""
+    """A monitor, the active servers (by default experts 0-3 on one, 4-7 on the other, every
+    layer; the test's parameter otherwise), a launcher of standby servers and a client."""
+    placement = getattr(request, "param", [[0, 1, 2, 3], [4, 5, 6, 7]])
     monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=LOSS)).start()
     log = open_log(f"elastic-{request.node.name}")
     extra = ("--monitor", monitor.address, "--heartbeat", str(HEARTBEAT))
-    servers = start_local_servers(tiny_qwen3, [[0, 1, 2, 3], [4, 5, 6, 7]], "float32",
+    servers = start_local_servers(tiny_qwen3, placement, "float32",
                                   max_clients=4, extra_args=extra, stdout=log)
     launcher = LocalLauncher(tiny_qwen3, monitor.address, "float32", 4,
                              ("--heartbeat", str(HEARTBEAT)), stdout=log)
-    wait_until(lambda: len(monitor.registry.snapshot().servers()) == 2, 20, "registration")
+    wait_until(lambda: len(monitor.registry.snapshot().servers()) == len(placement), 20,
+               "registration")
     client = EaasClient([s.address for s in servers], info, ModelIdentity.of(tiny_qwen3),
                         torch.float32, "elastic", monitor=monitor.address, heartbeat=HEARTBEAT)
     yield monitor, servers, launcher, client
@@ -204,3 +221,36 @@ def test_a_server_killed_mid_fill_is_replaced_then_without_spare_rolled_back(
     assert len(active) == 3
     with pytest.raises(ResizeError, match="no standby server and no launcher"):
         resizer.resize(4)
+
+
+@pytest.mark.parametrize("tier", [REPLICATED], indirect=True)
+def test_a_source_killed_mid_fill_is_read_around_and_replaced(tier, info, hf_experts):
+    """Scale-out 3 -> 4 over a tier holding each expert twice; the server the new one reads
+    from is killed (kill -9) after its first layer is read: the rest of the fill reads around
+    it (the checkpoint), the resize leaves it out and starts another server in its place, and
+    no row fails (its experts have another holder)."""
+    monitor, servers, launcher, client = tier
+    processes = {s.address: s.process for s in servers}
+    killed: list[str] = []
+
+    def kill_first_source(line: str):  # after the first add read from an active server
+        source = line.rpartition("(from ")[2].rstrip(")")
+        if source in processes and not killed:
+            killed.append(source)
+            processes[source].kill()
+
+    resizer = Resizer(monitor.address, TOKEN, info.num_experts, launcher, grace=0.3,
+                      say=kill_first_source)
+    with Stepping(client, info, hf_experts) as stepping:
+        stepping.wait(1)
+        out = resizer.resize(4)
+        assert killed and out.lost == killed and out.after == 4 and not out.rolled_back
+        assert len(out.started) == 2 and out.from_disk > 0  # read around the dead source
+        first = probe(out.started[0], TOKEN).counters  # its next read from it: fabric, then
+        assert first["fabric_fallbacks"] >= 1 and first["replica_fetch_fallbacks"] >= 1
+        stepping.wait(2)
+    active, _ = active_and_standby(monitor.registry.snapshot())
+    assert sorted(active) == sorted([a for a in processes if a not in killed] + out.started)
+    held = monitor.registry.snapshot().holdings()
+    for layer in info.moe_layers:  # every expert still on two live servers
+        assert _replicas(held.only(active), layer) == {e: 2 for e in range(info.num_experts)}

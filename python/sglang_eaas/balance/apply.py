@@ -31,14 +31,16 @@ class Applied:
 
 def apply_placement(current: Holdings, target: Holdings, token: str, grace: float = 2.0,
                     say: Callable[[str], None] = lambda line: None,
-                    timeout: float = 120.0) -> Applied:
+                    timeout: float = 120.0, done: Applied | None = None) -> Applied:
     """Make the live tier hold ``target``: every add (from a current holder), then every drop.
-    Raises what a server refuses with (``Refused``: e.g. a drop of a last holder), after the
-    changes before it were made."""
+    Raises what a server refuses with (``Refused``: e.g. a drop of a last holder) or a lost
+    server's ``TransportError``, after the changes before it were made (counted in ``done``,
+    where given, as they are made)."""
     began = time.monotonic()
     # servers in only one of them are not placement (joining and leaving are the tier's)
     both = set(current) & set(target)
-    done = Applied(moves(current.only(both), target.only(both)))
+    done = done if done is not None else Applied()
+    done.changes = moves(current.only(both), target.only(both))
     for change in done.changes:
         if not change.adds:
             continue

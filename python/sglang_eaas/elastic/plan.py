@@ -23,16 +23,21 @@ class PlanError(ValueError):
     """The new set of servers cannot hold the tier (no servers, or a server named twice)."""
 
 
-def resize_holdings(current: Holdings, servers: Sequence[str], num_experts: int) -> Holdings:
+def resize_holdings(current: Holdings, servers: Sequence[str], num_experts: int,
+                    replicas_of: Holdings | None = None) -> Holdings:
     """``current`` (the live tier's holdings, model experts and adapters) re-placed over
-    ``servers`` (staying ones and new ones; a current server not named leaves)."""
+    ``servers`` (staying ones and new ones; a current server not named leaves), each expert
+    with as many replicas as in ``replicas_of`` (by default ``current``; a resize that lost a
+    server gives the holdings from before the loss, so the lost replicas are made again)."""
     if not servers or len(set(servers)) != len(servers):
         raise PlanError(f"a resize places over distinct servers, got {list(servers)}")
     layers = current.layers()
     model = current.model_experts(num_experts)
+    counted = (replicas_of or current).model_experts(num_experts)
     out: dict[str, dict[int, list[int]]] = {s: {} for s in servers}
     for layer in layers:
-        for s, experts in place_layer(model.layer(layer), servers, num_experts).items():
+        for s, experts in place_layer(model.layer(layer), servers, num_experts,
+                                      counted.layer(layer)).items():
             out[s][layer] = experts
     for s, held in current.items():  # adapter experts stay with a staying server
         if s in out:
@@ -42,11 +47,12 @@ def resize_holdings(current: Holdings, servers: Sequence[str], num_experts: int)
                      for s, held in out.items()})
 
 
-def place_layer(current: dict[str, Sequence[int]], servers: Sequence[str], num_experts: int
-                ) -> dict[str, list[int]]:
-    """One layer: ``current`` (server -> experts) re-placed over ``servers``."""
+def place_layer(current: dict[str, Sequence[int]], servers: Sequence[str], num_experts: int,
+                replicas_of: dict[str, Sequence[int]] | None = None) -> dict[str, list[int]]:
+    """One layer: ``current`` (server -> experts) re-placed over ``servers``, each expert with
+    as many replicas as ``replicas_of`` (by default ``current``) gives it."""
     replicas = [0] * num_experts
-    for experts in current.values():
+    for experts in (current if replicas_of is None else replicas_of).values():
         for e in experts:
             replicas[e] += 1
     replicas = [min(max(r, 1), len(servers)) for r in replicas]

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from ibgda import TransportError
-from sglang_eaas.balance.apply import apply_placement
+from sglang_eaas.balance.apply import Applied, apply_placement
 from sglang_eaas.elastic.plan import moved, resize_holdings
-from sglang_eaas.holdings import ServerHoldings
+from sglang_eaas.holdings import Holdings, ServerHoldings
 from sglang_eaas.membership import connect
 from sglang_eaas.protocol.control import Drain, call, probe
 from sglang_eaas.protocol.monitor import SERVING, Snapshot
@@ -65,7 +65,7 @@ class Resized:
     started: list[str] = field(default_factory=list)  # servers the launcher started
     retired: list[str] = field(default_factory=list)  # servers drained
     lost: list[str] = field(default_factory=list)  # servers lost during it, left out
-    moved: int = 0  # replicas added (per layer)
+    moved: int = 0  # replicas filled (per layer), placements cut short by a loss included
     from_peer: int = 0
     from_disk: int = 0
     rolled_back: bool = False
@@ -103,6 +103,7 @@ class Resizer:
         self.monitor, self.token, self.num_experts = monitor, token, num_experts
         self.launcher, self.fingerprint, self.grace, self.say = launcher, fingerprint, grace, say
         self.lock = threading.Lock()
+        self._replicas_of: Holdings | None = None  # the tier's holdings when a resize began
 
     def snapshot(self) -> Snapshot:
         watcher = connect(self.monitor, self.token)
@@ -117,8 +118,11 @@ class Resizer:
             raise ResizeError(f"a tier keeps at least one active expert server, not {servers}")
         with self.lock:
             began = time.monotonic()
-            active, standby = active_and_standby(self.snapshot(), self.fingerprint)
+            snapshot = self.snapshot()
+            active, standby = active_and_standby(snapshot, self.fingerprint)
             done = Resized(len(active), len(active))
+            # the replicas each expert has now: kept through the resize, lost ones made again
+            self._replicas_of = snapshot.holdings(self.fingerprint)
             if servers > len(active):
                 self._out(servers, active, standby, done)
             elif servers < len(active):
@@ -209,16 +213,20 @@ class Resizer:
         current = self.snapshot().holdings(self.fingerprint)
         current = current.only([s for s in current if s not in done.lost])
         target = resize_holdings(current.only([s for s in current if s not in emptied]),
-                                 servers, self.num_experts)
+                                 servers, self.num_experts, self._replicas_of)
         layers = current.layers()
         for server in emptied:
             target = target.with_server(server, ServerHoldings({layer: () for layer in layers}))
-        fill = moved(current, target)
-        self.say(f"resize: placing over {len(servers)} servers: {fill} replicas to fill")
-        applied = apply_placement(current, target, self.token, grace=self.grace, say=self.say)
-        done.moved += fill
-        done.from_peer += applied.from_peer
-        done.from_disk += applied.from_disk
+        self.say(f"resize: placing over {len(servers)} servers: {moved(current, target)} "
+                 "replicas to fill")
+        applied = Applied()
+        try:
+            apply_placement(current, target, self.token, grace=self.grace, say=self.say,
+                            done=applied)
+        finally:  # a placement cut short by a lost server filled what it filled
+            done.moved += applied.from_peer + applied.from_disk
+            done.from_peer += applied.from_peer
+            done.from_disk += applied.from_disk
 
     def _lost(self, servers: Sequence[str], exc: Exception, done: Resized) -> list[str]:
         """The servers of ``servers`` that no longer answer (after ``exc`` from one of them)."""
