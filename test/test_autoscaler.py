@@ -8,7 +8,11 @@ import random
 
 import pytest
 
-from sglang_eaas.elastic.autoscaler import IN, OUT, Autoscaler, AutoscalePolicy
+from ibgda import TransportError
+from sglang_eaas.elastic.autoscaler import IN, OUT, Autoscaler, AutoscalePolicy, TierBusy
+from sglang_eaas.elastic.tier_busy import TierBusySampler
+from sglang_eaas.holdings import ServerHoldings
+from sglang_eaas.protocol.monitor import SERVER, Member, Snapshot
 
 TTFT, TPOT = 1.0, 0.1
 POLICY = AutoscalePolicy(ttft=TTFT, tpot=TPOT, window=10, patience=2, cooldown=60)
@@ -75,6 +79,53 @@ def test_a_short_spike_and_a_quiet_tier():
     tier.run(scaler, 60, load=0, per_second=0)  # no requests at all: slack
     assert [d for _, d in tier.decisions] == [IN]
     assert scaler.last_window.requests == 0
+
+
+def test_the_servers_utilisation_gates_both_ways():
+    """A violation while the expert servers are nearly idle is not theirs: held (said), and
+    counted on, so it scales out the moment they are busy; slack that one server fewer would
+    turn into overload is held too, and scales in once the rest would stay under busy_in."""
+    tier = Tier(servers=2)
+    busy = [TierBusy(0.1, 2)]
+    scaler = Autoscaler(POLICY, clock=lambda: tier.now, tier_busy=lambda: busy[0])
+    tier.run(scaler, 60, load=5)  # violated for 6 windows, the servers 10% busy
+    assert tier.decisions == [] and "not scaling out" in scaler.held
+    busy[0] = TierBusy(0.5, 2)
+    tier.run(scaler, POLICY.window, load=5)  # busy now: out at once (patience already spent)
+    assert [d for _, d in tier.decisions] == [OUT] and tier.servers == 3
+    assert "expert servers 50% busy" in scaler.last_decision.reason
+
+    tier = Tier(servers=2)
+    busy = [TierBusy(0.5, 2)]  # one server fewer: 100% busy
+    scaler = Autoscaler(POLICY, clock=lambda: tier.now, tier_busy=lambda: busy[0])
+    tier.run(scaler, 100, load=1)  # 0.25x the targets: slack
+    assert tier.decisions == [] and "not scaling in" in scaler.held and "100%" in scaler.held
+    busy[0] = TierBusy(0.25, 2)  # one fewer: 50%
+    tier.run(scaler, POLICY.window, load=1)
+    assert [d for _, d in tier.decisions] == [IN] and scaler.held == ""
+
+
+def test_the_utilisation_comes_from_the_servers_heartbeats():
+    def member(address, busy_us, held=(0,)):
+        return Member(SERVER, address, "h", 1, holdings=ServerHoldings({0: list(held)}),
+                      load={"busy_us": busy_us})
+
+    now = [0.0]
+    snapshots = [Snapshot(1, (member("a", 0), member("b", 0), member("s", 0, held=()))),
+                 Snapshot(2, (member("a", 2_000_000), member("b", 6_000_000),
+                              member("s", 0, held=()))),  # s: standby, not counted
+                 Snapshot(3, (member("a", 1_000), member("b", 8_000_000)))]  # a restarted
+    sampler = TierBusySampler(lambda: snapshots.pop(0), clock=lambda: now[0])
+    assert sampler() is None  # nothing to compare with yet
+    now[0] = 10.0
+    assert sampler() == TierBusy(0.4, 2)  # (0.2 + 0.6) / 2
+    now[0] = 20.0
+    assert sampler() == TierBusy(0.2, 2)  # only b: a's counter went back
+
+    def unreachable():
+        raise TransportError("monitor 127.0.0.1:1 is unreachable")
+
+    assert TierBusySampler(unreachable)() is None
 
 
 def test_bad_policies_are_refused():

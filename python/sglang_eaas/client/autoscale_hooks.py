@@ -6,11 +6,13 @@ queue (``time_stats.wait_queue_entry_time``, stamped whether or not metrics are 
 first call that streams an output token of it, its time per output token the rest of its
 time over its other tokens. Finished requests feed ``elastic.autoscaler.Autoscaler``, whose
 windows a thread of its own judges (an idle scheduler streams nothing, and idle windows are
-what scale a tier in); a decision is sent from that thread to the admin API of this SGLang's
+what scale a tier in), with the expert servers' utilisation read from the tier's monitor
+(``elastic/tier_busy.py``); a decision is sent from that thread to the admin API of this SGLang's
 HTTP server (``POST /eaas/autoscale``), which turns it into a server count within the bounds
 and, with ``--eaas-autoscale-act resize``, resizes the tier (``publish``: an orchestrator acts
 on the published count). Every decision is logged with its reason; with ``--enable-metrics``,
-``/metrics`` shows the last window's attainment and pressure, the decisions, and the desired
+``/metrics`` shows the last window's attainment, pressure and expert servers' utilisation,
+the decisions, and the desired
 and active server counts the admin API answered.
 
 With data parallelism only the first DP rank's requests are judged (each DP rank schedules its
@@ -24,10 +26,13 @@ import logging
 import threading
 import time
 import urllib.request
-from typing import Any
+from typing import Any, Callable
 
 from sglang_eaas import envs
-from sglang_eaas.elastic.autoscaler import Autoscaler, Decision
+from sglang_eaas.elastic.autoscaler import Autoscaler, Decision, TierBusy
+from sglang_eaas.elastic.tier_busy import TierBusySampler
+from sglang_eaas.membership import current_snapshot
+from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.elastic.operations import TOKEN_HEADER
 
 logger = logging.getLogger(__name__)
@@ -37,9 +42,9 @@ ADMIN_TIMEOUT = 30.0
 class SchedulerAutoscaler:
     """One scheduler's request timings, its ``Autoscaler`` and what it publishes."""
 
-    def __init__(self, cfg: Any, url: str):
+    def __init__(self, cfg: Any, url: str, tier_busy: Callable[[], TierBusy | None]):
         self.cfg, self.url = cfg.autoscale, url
-        self.scaler = Autoscaler(self.cfg.policy)
+        self.scaler = Autoscaler(self.cfg.policy, tier_busy=tier_busy)
         self.first_token: dict[str, float] = {}
         self.metrics = _Metrics.create()
         # windows are judged on a thread of their own: an idle scheduler streams nothing,
@@ -63,12 +68,16 @@ class SchedulerAutoscaler:
 
     def _judge_windows(self) -> None:
         period = min(1.0, self.cfg.policy.window / 4)
+        held = ""  # said once while it lasts
         while True:
             time.sleep(period)
             decision = self.scaler.tick()
             window = self.scaler.last_window
             if window is not None and self.metrics is not None:
                 self.metrics.window(window)
+            if self.scaler.held and self.scaler.held != held:
+                logger.info("eaas autoscaler: %s", self.scaler.held)
+            held = self.scaler.held
             if decision is not None:
                 logger.info("eaas autoscaler: scale %s: %s", decision.direction,
                             decision.reason)
@@ -119,6 +128,9 @@ class _Metrics:
         self._pressure = Gauge("sglang_eaas_autoscale_pressure", "The last window's p90 "
                                "latencies over their targets (the larger of TTFT and TPOT)",
                                **gauge)
+        self._busy = Gauge("sglang_eaas_autoscale_expert_busy", "The active expert servers' "
+                           "mean utilisation (share of time serving batches) in the last window",
+                           **gauge)
         self._desired = Gauge("sglang_eaas_autoscale_desired_servers", "Active expert servers "
                               "the autoscaler last asked for", **gauge)
         self._active = Gauge("sglang_eaas_autoscale_active_servers", "Active expert servers "
@@ -129,6 +141,8 @@ class _Metrics:
     def window(self, window) -> None:
         self._attainment.set(window.attainment)
         self._pressure.set(window.pressure)
+        if window.busy is not None:
+            self._busy.set(window.busy.utilisation)
 
     def decided(self, decision: Decision, answer: dict) -> None:
         self._decisions.labels(direction=decision.direction).inc()
@@ -163,7 +177,16 @@ def _make(server_args: Any) -> SchedulerAutoscaler | None:
     logger.info("eaas autoscaler: judging SLO attainment every %gs (TTFT <= %gs, TPOT <= %gs, "
                 "%.0f%% of requests)", cfg.autoscale.policy.window, cfg.autoscale.policy.ttft,
                 cfg.autoscale.policy.tpot, 100 * cfg.autoscale.policy.attainment)
-    return SchedulerAutoscaler(cfg, server_args.url())
+    return SchedulerAutoscaler(cfg, server_args.url(), _tier_busy(cfg, server_args.model_path))
+
+
+def _tier_busy(cfg: Any, model_path: str) -> Callable[[], TierBusy | None]:
+    """The expert servers' utilisation, from the tier's monitor (unknown without one here)."""
+    if not isinstance(cfg.monitor, str):
+        return lambda: None
+    monitor, token = cfg.monitor, envs.TOKEN.get()
+    return TierBusySampler(lambda: current_snapshot(monitor, token),
+                           MoeModelInfo.from_model_path(model_path).fingerprint())
 
 
 def _rank(parallel: Any, name: str) -> int:

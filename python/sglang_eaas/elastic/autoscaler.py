@@ -12,6 +12,19 @@ share that met both targets (time to first token <= ``ttft``, time per output to
 * ``patience`` windows in a row of violation ask for one more server, of slack for one fewer,
   and no two decisions come within ``cooldown`` seconds.
 
+The expert servers' **utilisation** (the share of wall time they spent serving batches over the
+window, averaged over the active servers: ``TierBusy``, from their heartbeats) gates both:
+
+* a violation scales out only if the servers are at least ``busy_out`` busy (0.2): where they
+  are idle the latency is not theirs (attention, the network, the queue), and more servers
+  would not help;
+* slack scales in only if the servers left would be at most ``busy_in`` busy (0.6: utilisation
+  x N / (N - 1)), so that a tier that meets its targets because it is large enough stays so.
+
+Where the utilisation is unknown (no monitor reachable, the first window) the targets alone
+decide. A violation or slack held back by it is said (``held``) and counted on: it scales as
+soon as the servers allow.
+
 The gap between the two thresholds is the hysteresis: a load whose latencies, +-10% noise
 included, stay between half the targets and the targets is neither (test_autoscaler).
 The policy only says which way and why; the admin API turns that into a server count within
@@ -40,11 +53,14 @@ class AutoscalePolicy:
     cooldown: float = 60.0  # seconds between two decisions
     slack: float = 0.5  # scale in only with p90 latencies at most this share of the targets
     min_requests: int = 4  # a window with fewer requests cannot violate
+    busy_out: float = 0.2  # scale out only with the expert servers at least this busy
+    busy_in: float = 0.6  # scale in only if the servers left would be at most this busy
 
     def __post_init__(self) -> None:
         if not (self.ttft > 0 and self.tpot > 0 and 0 < self.attainment <= 1
                 and self.window > 0 and self.patience >= 1 and self.cooldown >= 0
-                and 0 < self.slack < 1 and self.min_requests >= 1):
+                and 0 < self.slack < 1 and self.min_requests >= 1
+                and 0 <= self.busy_out <= 1 and 0 < self.busy_in):
             raise ValueError(f"autoscale policy out of range: {self}")
 
 
@@ -67,6 +83,18 @@ class AutoscaleSettings:
 
 
 @dataclass(frozen=True)
+class TierBusy:
+    """The active expert servers' utilisation over a window."""
+
+    utilisation: float  # mean share of wall time serving batches
+    servers: int  # active servers
+
+    def after_one_fewer(self) -> float:
+        """The utilisation with one server fewer, the same work spread over the rest."""
+        return self.utilisation * self.servers / max(self.servers - 1, 1)
+
+
+@dataclass(frozen=True)
 class Window:
     """One judged window."""
 
@@ -74,6 +102,7 @@ class Window:
     requests: int
     attainment: float  # 1.0 for an empty window
     pressure: float  # max(p90 TTFT / ttft, p90 TPOT / tpot); 0.0 for an empty window
+    busy: TierBusy | None = None  # the expert servers' (None: unknown)
 
     def violates(self, policy: AutoscalePolicy) -> bool:
         return self.requests >= policy.min_requests and self.attainment < policy.attainment
@@ -94,8 +123,11 @@ class Autoscaler:
     """Feed it finished requests (``finished``) and call ``tick`` now and then (the two may
     come from different threads)."""
 
-    def __init__(self, policy: AutoscalePolicy, clock: Callable[[], float] = time.monotonic):
-        self.policy, self.clock = policy, clock
+    def __init__(self, policy: AutoscalePolicy, clock: Callable[[], float] = time.monotonic,
+                 tier_busy: Callable[[], TierBusy | None] = lambda: None):
+        """``tier_busy``: the expert servers' utilisation since its last call (None: unknown),
+        asked once per window."""
+        self.policy, self.clock, self.tier_busy = policy, clock, tier_busy
         self._lock = threading.Lock()
         self._start = clock()
         self._ttft: list[float] = []
@@ -104,6 +136,7 @@ class Autoscaler:
         self._last_decision_at: float | None = None
         self.last_window: Window | None = None
         self.last_decision: Decision | None = None
+        self.held: str = ""  # why the last window's due decision was held back ("" if none)
 
     def finished(self, ttft: float, tpot: float) -> None:
         """A request finished: its time to first token and time per output token (seconds)."""
@@ -119,33 +152,43 @@ class Autoscaler:
         with self._lock:
             ttft, tpot = self._ttft, self._tpot
             self._start, self._ttft, self._tpot = now, [], []
-        window = self._judge(now, ttft, tpot)
+        window = self._judge(now, ttft, tpot, self.tier_busy())
         self.last_window = window
-        p = self.policy
+        p, busy = self.policy, window.busy
         self._violations = self._violations + 1 if window.violates(p) else 0
         self._slack = self._slack + 1 if window.slack(p) else 0
         cooled = self._last_decision_at is None or now - self._last_decision_at >= p.cooldown
-        decision = None
+        decision, self.held = None, ""
+        said = "" if busy is None else f"; expert servers {busy.utilisation:.0%} busy"
         if self._violations >= p.patience and cooled:
-            decision = Decision(now, OUT, (
-                f"SLO attainment {window.attainment:.0%} < {p.attainment:.0%} for "
-                f"{self._violations} windows of {p.window:g}s (p90 at {window.pressure:.2f}x "
-                f"the targets)"), window)
+            why = (f"SLO attainment {window.attainment:.0%} < {p.attainment:.0%} for "
+                   f"{self._violations} windows of {p.window:g}s (p90 at "
+                   f"{window.pressure:.2f}x the targets){said}")
+            if busy is not None and busy.utilisation < p.busy_out:
+                self.held = (f"{why}: not scaling out, the expert servers are under "
+                             f"{p.busy_out:.0%} busy (the latency is not theirs)")
+            else:
+                decision = Decision(now, OUT, why, window)
         elif self._slack >= p.patience and cooled:
-            decision = Decision(now, IN, (
-                f"SLO attainment {window.attainment:.0%} with p90 latencies at "
-                f"{window.pressure:.2f}x the targets (<= {p.slack:g}x) for {self._slack} "
-                f"windows of {p.window:g}s"), window)
+            why = (f"SLO attainment {window.attainment:.0%} with p90 latencies at "
+                   f"{window.pressure:.2f}x the targets (<= {p.slack:g}x) for {self._slack} "
+                   f"windows of {p.window:g}s{said}")
+            if busy is not None and busy.after_one_fewer() > p.busy_in:
+                self.held = (f"{why}: not scaling in, one server fewer would leave the others "
+                             f"{busy.after_one_fewer():.0%} busy (> {p.busy_in:.0%})")
+            else:
+                decision = Decision(now, IN, why, window)
         if decision is not None:
             self._violations = self._slack = 0
             self._last_decision_at, self.last_decision = now, decision
         return decision
 
-    def _judge(self, now: float, ttft: list[float], tpot: list[float]) -> Window:
+    def _judge(self, now: float, ttft: list[float], tpot: list[float],
+               busy: TierBusy | None) -> Window:
         if not ttft:
-            return Window(now, 0, 1.0, 0.0)
+            return Window(now, 0, 1.0, 0.0, busy)
         ttft, tpot = np.asarray(ttft), np.asarray(tpot)
         met = (ttft <= self.policy.ttft) & (tpot <= self.policy.tpot)
         pressure = max(float(np.percentile(ttft, 90)) / self.policy.ttft,
                        float(np.percentile(tpot, 90)) / self.policy.tpot)
-        return Window(now, len(ttft), float(met.mean()), pressure)
+        return Window(now, len(ttft), float(met.mean()), pressure, busy)

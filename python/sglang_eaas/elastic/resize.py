@@ -30,7 +30,7 @@ from ibgda import TransportError
 from sglang_eaas.balance.apply import Applied, apply_placement
 from sglang_eaas.elastic.plan import moved, resize_holdings
 from sglang_eaas.holdings import Holdings, ServerHoldings
-from sglang_eaas.membership import connect
+from sglang_eaas.membership import current_snapshot
 from sglang_eaas.protocol.control import Drain, call, probe
 from sglang_eaas.protocol.monitor import SERVING, Snapshot
 
@@ -106,11 +106,7 @@ class Resizer:
         self._replicas_of: Holdings | None = None  # the tier's holdings when a resize began
 
     def snapshot(self) -> Snapshot:
-        watcher = connect(self.monitor, self.token)
-        try:
-            return watcher.watch(-1, 0.0)
-        finally:
-            watcher.close()
+        return current_snapshot(self.monitor, self.token)
 
     def resize(self, servers: int) -> Resized:
         """Make ``servers`` expert servers active."""

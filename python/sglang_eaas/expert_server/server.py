@@ -229,8 +229,10 @@ class ExpertServer:
 
     def load(self) -> dict[str, Any]:
         """What the heartbeat tells the monitor (``status`` shows it); ``expert_load``: per
-        MoE layer [tokens, ns, busiest expert, its ns] (``ExpertLoad.summary``)."""
+        MoE layer [tokens, ns, busiest expert, its ns] (``ExpertLoad.summary``); ``busy_us``:
+        microseconds spent serving batches (the autoscaler's utilisation)."""
         return {"requests": self.stats["requests"], "tokens": self.stats["tokens"],
+                "busy_us": self.stats["busy_us"],
                 "clients": self.client_count(), "expert_load": self.expert_load.summary()}
 
     @functools.cached_property
@@ -327,6 +329,7 @@ class ExpertServer:
                 self._answer(r.slot.publish, r.header.seq, rows.shape[0])
 
     def _run(self, batch: list[_Ready]) -> None:
+        began = time.perf_counter()
         by_layer: dict[int, list[_Ready]] = collections.defaultdict(list)
         for r in batch:
             by_layer[r.header.layer_id].append(r)
@@ -353,6 +356,8 @@ class ExpertServer:
         self.stats["batches"] += 1
         self.stats["requests"] += len(batch)
         self.stats["tokens"] += sum(r.header.num_tokens for r in batch)
+        # time spent serving batches: its share of wall time is the server's utilisation
+        self.stats["busy_us"] += int((time.perf_counter() - began) * 1e6)
 
     def poll_once(self) -> int:
         """Serve what is ready now (waiting up to ``max_wait_us`` for a minimum batch)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from sglang_eaas.addresses import AddressError, parse_address
 from sglang_eaas.membership.base import MemberLost, MemberSession, MonitorBackend
+from sglang_eaas.protocol.monitor import Snapshot
 
 EMBEDDED, TCP, ETCD = "embedded", "tcp", "etcd"
 ETCD_SCHEME = "etcd://"
@@ -73,5 +74,14 @@ def connect(url: str, token: str) -> MonitorBackend:
     return TcpMonitor(spec.address, token)
 
 
+def current_snapshot(url: str, token: str) -> Snapshot:
+    """The running monitor's membership now (one connection, closed after)."""
+    monitor = connect(url, token)
+    try:
+        return monitor.watch(-1, 0.0)
+    finally:
+        monitor.close()
+
+
 __all__ = ["MemberLost", "MemberSession", "MonitorBackend", "MonitorSpec", "connect",
-           "parse_monitor", "HEARTBEAT", "LOSS_TIMEOUT"]
+           "current_snapshot", "parse_monitor", "HEARTBEAT", "LOSS_TIMEOUT"]
