@@ -80,7 +80,7 @@ class TierAdmin:
         active, standby = active_and_standby(snapshot, self.resizer.fingerprint)
         held = snapshot.holdings(self.resizer.fingerprint)
         current = self.operations.current
-        return {"active": active, "standby": standby,
+        return {"monitor": self.resizer.monitor, "active": active, "standby": standby,
                 "experts": {s: {str(layer): list(ids) for layer, ids in held[s].items()}
                             for s in active},
                 "launcher": "local processes" if self.launcher else "none (standby only)",
