@@ -250,7 +250,7 @@ def main() -> int:
     for name, a, b in spans:
         gaps = [y - x for times in run.arrivals for x, y in zip(times, times[1:])
                 if a <= x - run.started < b]
-        rows.append(f"| {name} | {a:.0f}-{b:.0f} | {throughput(run, a, b):.1f} | "
+        rows.append(f"| {name} | {a:.1f}-{b:.1f} | {throughput(run, a, b):.1f} | "
                     f"{1e3 * statistics.median(gaps) if gaps else float('nan'):.0f} |")
     report.add("\n".join(rows))
     report.add(f"Tier memory (expert servers' PSS): steady {steady / 2**20:.0f} MiB with 2 "

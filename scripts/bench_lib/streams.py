@@ -32,15 +32,21 @@ class Run:
 def closed_loop(url: str, prompt_of: Callable[[int, int], str | list[int]], output_len: int,
                 concurrency: int, duration: float,
                 during: Callable[[Run], None] = lambda run: None,
-                fields_of: Callable[[int, int], dict] = lambda worker, n: {}) -> Run:
+                fields_of: Callable[[int, int], dict] = lambda worker, n: {},
+                active: Callable[[int, float], bool] = lambda worker, seconds: True) -> Run:
     """``prompt_of(worker, n)``: the prompt (text or token ids) of a worker's ``n``-th request;
     ``during(run)`` runs meanwhile, in a thread of its own (faults, moves); ``fields_of(worker,
-    n)``: more fields of that request's body (e.g. ``lora_path``: an adapter)."""
+    n)``: more fields of that request's body (e.g. ``lora_path``: an adapter); ``active(worker,
+    seconds into the run)``: whether the worker sends its next request now (else it waits:
+    a load that steps)."""
     run, stop = Run(time.perf_counter()), threading.Event()
 
     def loop(worker: int) -> None:
         n = 0
         while not stop.is_set():
+            if not active(worker, time.perf_counter() - run.started):
+                time.sleep(0.05)
+                continue
             prompt, fields = prompt_of(worker, n), fields_of(worker, n)
             n += 1
             body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "stream": True,
