@@ -3,7 +3,8 @@ expert tier, in the same run (docs/elastic.md, "Autoscaler").
 
 Three SGLang servers (--eaas, the bench checkpoint), one after the other, each under the same
 stepped closed loop of streaming requests: ``--low`` streams for ``--low-s`` seconds, then
-``--high`` streams for ``--high-s``, then ``--low`` again for ``--tail-s``:
+``--high`` streams for ``--high-s``, then ``--tail`` streams (none by default: the burst is
+over) for ``--tail-s``:
 
 * **fixed small**: ``--eaas-expert-servers local:2``;
 * **fixed large**: ``local:4``;
@@ -58,8 +59,10 @@ def parse_args() -> argparse.Namespace:
                    help="seconds of low load first; default %(default)s")
     p.add_argument("--high-s", type=float, default=40.0,
                    help="seconds of high load; default %(default)s")
-    p.add_argument("--tail-s", type=float, default=45.0,
-                   help="seconds of low load after; default %(default)s")
+    p.add_argument("--tail", type=int, default=0,
+                   help="streams after the high load; default %(default)s")
+    p.add_argument("--tail-s", type=float, default=40.0,
+                   help="seconds after the high load; default %(default)s")
     p.add_argument("--window", type=float, default=5.0,
                    help="the autoscaler's --eaas-autoscale-window; default %(default)s")
     p.add_argument("--cooldown", type=float, default=15.0,
@@ -71,8 +74,9 @@ def parse_args() -> argparse.Namespace:
                    help="markdown report; default %(default)s")
     p.add_argument("--log-dir", type=Path, default=ROOT / ".cache" / "logs")
     args = p.parse_args()
-    if not 1 <= args.low < args.high or min(args.low_s, args.high_s, args.tail_s) <= 0:
-        p.error("need 1 <= --low < --high and positive phase lengths")
+    if (not 1 <= args.low < args.high or not 0 <= args.tail <= args.high
+            or min(args.low_s, args.high_s, args.tail_s) <= 0):
+        p.error("need 1 <= --low < --high, 0 <= --tail <= --high and positive phase lengths")
     return args
 
 
@@ -117,8 +121,9 @@ def serve(name: str, model: Path, flags: list[str], args: argparse.Namespace, vo
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(64)]
 
     def active(worker: int, seconds: float) -> bool:
-        high = args.low_s <= seconds < args.low_s + args.high_s
-        return worker < (args.high if high else args.low)
+        if seconds < args.low_s:
+            return worker < args.low
+        return worker < (args.high if seconds < args.low_s + args.high_s else args.tail)
 
     served: Served | None = None
     samples: list[tuple[float, int]] = []
@@ -138,9 +143,9 @@ def serve(name: str, model: Path, flags: list[str], args: argparse.Namespace, vo
         served = Served(name, run, samples)
     finally:
         server.stop()
-    served.decisions = [line.split("eaas autoscaler: ", 1)[1].strip()
+    served.decisions = [line.split("] eaas autoscaler: ", 1)[1].strip()
                         for line in log.read_text(errors="replace").splitlines()
-                        if "eaas autoscaler: scale " in line]
+                        if "] eaas autoscaler: scale " in line]
     say(f"{name}: {len(run.finished)} requests, {len(run.failed)} failed, "
         f"{len(served.decisions)} decisions")
     return served
@@ -184,7 +189,7 @@ def main() -> int:
     fair = p90([r[2] for r in high]) > tpot
     report.add(
         f"Setup: bench checkpoint `{model.name}`; SGLang --eaas; a closed loop of {args.low} "
-        f"stream(s) for {args.low_s:.0f} s, {args.high} for {args.high_s:.0f} s, {args.low} "
+        f"stream(s) for {args.low_s:.0f} s, {args.high} for {args.high_s:.0f} s, {args.tail} "
         f"for {args.tail_s:.0f} s ({args.input_len} prompt tokens, {args.output_len} output "
         f"tokens per request); targets from the fixed small tier's low-load p90s: TTFT <= "
         f"{ttft:.2f} s, TPOT <= {tpot * 1e3:.0f} ms (its p90 TPOT at high load: "
@@ -194,6 +199,8 @@ def main() -> int:
     rows = ["| tier | SLO attainment | during the high load | p90 TPOT ms, high load | "
             "server-seconds | vs fixed large | failed | decisions |",
             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    changes = [(t, n) for (t, n), (_, before) in zip(auto.servers[1:], auto.servers)
+               if n != before]
     biggest = large.server_seconds(duration)
     for served in (small, large, auto):
         reqs = served.requests()
@@ -205,8 +212,12 @@ def main() -> int:
             f"| {served.name} | {sum(met) / max(len(met), 1):.0%} | "
             f"{sum(in_high) / max(len(in_high), 1):.0%} | {p90(high_tpot) * 1e3:.0f} | "
             f"{seconds:.0f} | {seconds / biggest:.2f}x | {len(served.run.failed)} | "
-            f"{'; '.join(served.decisions) or '-'} |")
+            f"{', '.join(d.split(':')[0].removeprefix('scale ') for d in served.decisions) or '-'}"
+            f" |")
     report.add("\n".join(rows))
+    report.add("The autoscaled tier's active servers changed at: " + (", ".join(
+        f"{t:.0f} s -> {n}" for t, n in changes) or "never") + ". Its decisions, as logged:\n\n"
+        + "\n".join(f"- {d}" for d in auto.decisions or ["none"]))
     plt = pyplot()
     if plt is not None:
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5), dpi=110, sharex=True)
@@ -226,7 +237,7 @@ def main() -> int:
         bottom.set_xlabel("seconds")
         for ax in (top, bottom):
             ax.axvspan(*high_phase, color="orange", alpha=0.1)
-        top.set_title(f"load step {args.low} -> {args.high} -> {args.low} streams (shaded)")
+        top.set_title(f"load step {args.low} -> {args.high} -> {args.tail} streams (shaded)")
         save_figure(fig, args.out.with_suffix(".png"))
     report.save()
     return 0

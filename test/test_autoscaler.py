@@ -105,6 +105,22 @@ def test_the_servers_utilisation_gates_both_ways():
     assert [d for _, d in tier.decisions] == [IN] and scaler.held == ""
 
 
+def test_a_tier_at_its_bounds_is_not_asked_past_them():
+    """At the least servers, slack decides nothing (and starts no cooldown): a violation
+    right after still scales out at once; at the most, a violation is held."""
+    tier = Tier(servers=2)
+    busy = [TierBusy(0.5, 2)]
+    scaler = Autoscaler(POLICY, clock=lambda: tier.now, tier_busy=lambda: busy[0],
+                        bounds=(2, 3))
+    tier.run(scaler, 60, load=0, per_second=0)
+    assert tier.decisions == [] and "already at 2 servers" in scaler.held
+    tier.run(scaler, 2 * POLICY.window, load=5)
+    assert [d for _, d in tier.decisions] == [OUT]
+    busy[0] = TierBusy(0.9, 3)
+    tier.run(scaler, POLICY.cooldown + 3 * POLICY.window, load=9)  # 1.5x on 3: violated
+    assert [d for _, d in tier.decisions] == [OUT] and "already at 3 servers" in scaler.held
+
+
 def test_the_utilisation_comes_from_the_servers_heartbeats():
     def member(address, busy_us, held=(0,)):
         return Member(SERVER, address, "h", 1, holdings=ServerHoldings({0: list(held)}),

@@ -194,6 +194,26 @@ def test_spare_rows_take_adds_in_place_and_a_standby_fills_its_reserved_regions(
         monitor.close()
 
 
+def test_a_fill_over_mooncake_reads_with_the_transfer_engine(started, tiny_qwen3, info):
+    """Mooncake regions are not mapped into the reader: the rows come by Transfer Engine reads
+    (TCP on this host; RDMA or TCP across hosts), land in the receiver's spare rows, and equal
+    the checkpoint's; nothing falls back to the control channel."""
+    first, second = info.moe_layers
+    holder = started(range(8), transport="mooncake")
+    receiver = started(layer_experts={first: (0,), second: (0,)}, transport="mooncake",
+                       spare_experts=4)
+    assert receiver.held.store.backend == "mooncake"
+    before = receiver.held.layers[first].backing
+    reply = call(receiver.address, AddExperts(first, [3, 5, 6], holder.address), TOKEN)
+    assert reply.from_peer == [3, 5, 6]
+    assert receiver.held.layers[first].backing is before  # into the spare rows
+    counters = probe(receiver.address, TOKEN).counters
+    assert counters["replicas_read"] == 3 and counters.get("fabric_fallbacks", 0) == 0
+    row = receiver.held.layers[first]
+    assert counters["fabric_bytes_read"] == 3 * (row.w13[0].nbytes + row.w2[0].nbytes)
+    assert_holds_checkpoint(receiver, tiny_qwen3, first, [0, 3, 5, 6])
+
+
 def test_leases_keep_a_lent_version_and_refusals(started, info):
     layer = info.moe_layers[0]
     holder = started(range(4))

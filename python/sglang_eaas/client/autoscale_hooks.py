@@ -44,7 +44,8 @@ class SchedulerAutoscaler:
 
     def __init__(self, cfg: Any, url: str, tier_busy: Callable[[], TierBusy | None]):
         self.cfg, self.url = cfg.autoscale, url
-        self.scaler = Autoscaler(self.cfg.policy, tier_busy=tier_busy)
+        self.scaler = Autoscaler(self.cfg.policy, tier_busy=tier_busy,
+                                 bounds=(self.cfg.min_servers, self.cfg.max_servers))
         self.first_token: dict[str, float] = {}
         self.metrics = _Metrics.create()
         # windows are judged on a thread of their own: an idle scheduler streams nothing,

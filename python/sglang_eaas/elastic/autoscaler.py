@@ -124,10 +124,13 @@ class Autoscaler:
     come from different threads)."""
 
     def __init__(self, policy: AutoscalePolicy, clock: Callable[[], float] = time.monotonic,
-                 tier_busy: Callable[[], TierBusy | None] = lambda: None):
+                 tier_busy: Callable[[], TierBusy | None] = lambda: None,
+                 bounds: tuple[int, int] = (1, 1 << 30)):
         """``tier_busy``: the expert servers' utilisation since its last call (None: unknown),
-        asked once per window."""
+        asked once per window; ``bounds``: the least and most active servers (a tier known to
+        be at one is not asked to pass it: that decision is held, and starts no cooldown)."""
         self.policy, self.clock, self.tier_busy = policy, clock, tier_busy
+        self.bounds = bounds
         self._lock = threading.Lock()
         self._start = clock()
         self._ttft: list[float] = []
@@ -164,7 +167,9 @@ class Autoscaler:
             why = (f"SLO attainment {window.attainment:.0%} < {p.attainment:.0%} for "
                    f"{self._violations} windows of {p.window:g}s (p90 at "
                    f"{window.pressure:.2f}x the targets){said}")
-            if busy is not None and busy.utilisation < p.busy_out:
+            if busy is not None and busy.servers >= self.bounds[1]:
+                self.held = f"{why}: not scaling out, already at {self.bounds[1]} servers"
+            elif busy is not None and busy.utilisation < p.busy_out:
                 self.held = (f"{why}: not scaling out, the expert servers are under "
                              f"{p.busy_out:.0%} busy (the latency is not theirs)")
             else:
@@ -173,7 +178,9 @@ class Autoscaler:
             why = (f"SLO attainment {window.attainment:.0%} with p90 latencies at "
                    f"{window.pressure:.2f}x the targets (<= {p.slack:g}x) for {self._slack} "
                    f"windows of {p.window:g}s{said}")
-            if busy is not None and busy.after_one_fewer() > p.busy_in:
+            if busy is not None and busy.servers <= self.bounds[0]:
+                self.held = f"{why}: not scaling in, already at {self.bounds[0]} servers"
+            elif busy is not None and busy.after_one_fewer() > p.busy_in:
                 self.held = (f"{why}: not scaling in, one server fewer would leave the others "
                              f"{busy.after_one_fewer():.0%} busy (> {p.busy_in:.0%})")
             else:
