@@ -429,8 +429,9 @@ def add_cli_args(parser: argparse.ArgumentParser,
         help="Size the expert tier to the load (docs/elastic.md): the scheduler judges the "
         "SLO attainment of finished requests every window against --eaas-autoscale-ttft and "
         "--eaas-autoscale-tpot (both needed), asks for one more expert server after persistent "
-        "violation and one fewer after persistent slack (p90 latencies at most half the "
-        "targets), at most once per cooldown. Off by default.",
+        "violation (with the expert servers busy enough) and one fewer after persistent "
+        "slack (p90 latencies at most half the targets, the other servers not too busy "
+        "after), at most once per cooldown. Off by default.",
     )
     for flag, kind, meta, text in (
             ("ttft", float, "SECONDS", "target time to first token"),
@@ -440,7 +441,12 @@ def add_cli_args(parser: argparse.ArgumentParser,
             ("window", float, "SECONDS", "finished requests judged together (default 20)"),
             ("cooldown", float, "SECONDS", "least time between two decisions (default 60)"),
             ("min-servers", _count, "N", "fewest active expert servers (default 1)"),
-            ("max-servers", _count, "N", "most active expert servers (default 8)")):
+            ("max-servers", _count, "N", "most active expert servers (default 8)"),
+            ("busy-out", float, "SHARE", "scale out only with the active expert servers at "
+             "least this busy (their mean share of time serving batches over the window; "
+             "default 0.2; 0 turns the check off): where they idle, the latency is not theirs"),
+            ("busy-in", float, "SHARE", "scale in only if the servers left would be at most "
+             "this busy (default 0.6)")):
         group.add_argument(f"--eaas-autoscale-{flag}", type=kind, default=None, metavar=meta,
                            help=f"With --eaas-autoscale: {text}.")
     group.add_argument(
@@ -551,7 +557,8 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
 AUTOSCALE_FLAGS = ("eaas_autoscale", "eaas_autoscale_ttft", "eaas_autoscale_tpot",
                    "eaas_autoscale_attainment", "eaas_autoscale_window",
                    "eaas_autoscale_cooldown", "eaas_autoscale_min_servers",
-                   "eaas_autoscale_max_servers", "eaas_autoscale_act")
+                   "eaas_autoscale_max_servers", "eaas_autoscale_busy_out",
+                   "eaas_autoscale_busy_in", "eaas_autoscale_act")
 
 
 def autoscale_settings(args: argparse.Namespace) -> AutoscaleSettings | None:
@@ -566,13 +573,14 @@ def autoscale_settings(args: argparse.Namespace) -> AutoscaleSettings | None:
         raise ValueError("--eaas-autoscale needs its targets: --eaas-autoscale-ttft SECONDS "
                          "and --eaas-autoscale-tpot SECONDS")
     optional = {name: getattr(args, f"eaas_autoscale_{name}") for name in (
-        "attainment", "window", "cooldown")}
+        "attainment", "window", "cooldown", "busy_out", "busy_in")}
     try:
         policy = AutoscalePolicy(args.eaas_autoscale_ttft, args.eaas_autoscale_tpot,
                                  **{k: v for k, v in optional.items() if v is not None})
     except ValueError:
         raise ValueError("--eaas-autoscale: the targets and the window must be > 0, the "
-                         "attainment in (0, 1] and the cooldown >= 0") from None
+                         "attainment in (0, 1], the cooldown >= 0, --eaas-autoscale-busy-out "
+                         "in [0, 1] and --eaas-autoscale-busy-in > 0") from None
     low, high = args.eaas_autoscale_min_servers or 1, args.eaas_autoscale_max_servers or 8
     if low > high:
         raise ValueError(f"--eaas-autoscale-min-servers {low} is above "

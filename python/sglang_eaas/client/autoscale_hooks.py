@@ -76,9 +76,10 @@ class SchedulerAutoscaler:
             window = self.scaler.last_window
             if window is not None and self.metrics is not None:
                 self.metrics.window(window)
-            if self.scaler.held and self.scaler.held != held:
+            why = self.scaler.held.rpartition(": ")[2]  # the check that holds it back
+            if why and why != held:
                 logger.info("eaas autoscaler: %s", self.scaler.held)
-            held = self.scaler.held
+            held = why
             if decision is not None:
                 logger.info("eaas autoscaler: scale %s: %s", decision.direction,
                             decision.reason)
