@@ -55,6 +55,15 @@ def tiny_mixtral() -> Path:
     return model_path(replace(PRESETS["tiny"], arch="mixtral"))
 
 
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair (netns.py): (owner, peer)."""
+    from netns import two_hosts as made
+
+    with made() as hosts:
+        yield hosts
+
+
 def open_log(name: str):
     """A fresh log file .cache/logs/test/NAME.log for processes a test starts."""
     path = CACHE / "logs" / "test" / f"{name}.log"

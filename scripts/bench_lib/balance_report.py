@@ -60,7 +60,7 @@ def setup_text(args, info, traces: list[StepTrace], slots: int, cv_target: float
         "*predicted* applies the layer-aware predictors "
         "(`d1.safetensors`) to each step's router inputs of the layer before (layer 0: the "
         "previous step's load): that is MoEless's premise that a replica can be ready a layer "
-        "ahead; on this system a re-placement takes hundreds of ms (bench_faults --fault "
+        "ahead; on this system a re-placement takes about a second (bench_faults --fault "
         "replace), so it is the paper's setting, not what this tier can do. Zipf traces have "
         "no router inputs: no *predicted* row.",
     ]
