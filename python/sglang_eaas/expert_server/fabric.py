@@ -143,9 +143,9 @@ class FabricReader:
         return self.mode != "off" and self.store.transport is not None
 
     def close(self) -> None:
-        """Stop the copying threads (once what they were given is done) and close the kept
-        connections."""
-        self._pool.shutdown(wait=True)
+        """Stop the copying threads (what they were given and not begun is dropped: a lease
+        not given back expires) and close the kept connections."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
         with self._channels_lock:
             kept, self._channels = list(self._channels.values()), {}
         for connection in kept:
