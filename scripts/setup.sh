@@ -62,6 +62,12 @@ stamp_file="$venv/.sglang-eaas-setup"
 stamp="$(cat "$root/setup.py" "$root/scripts/setup.sh" "$root/requirements/"*.txt \
   "$root/sgl-kernel-ext/csrc/cpu/"* "$root/sgl-kernel-ext/sgl_kernel_ext/cpu_ops.py" | sha256sum | cut -d' ' -f1) $mode $("$python" -V 2>&1)"
 if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$stamp" ]]; then
+  # A venv kept from another checkout (a CI cache) lacks this checkout's in-place native build.
+  if ! "$venv/bin/python" -c "import ibgda._host_atomics" 2>/dev/null; then
+    step "building ibgda's native module into this checkout (the venv is kept from another)"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+      --no-build-isolation -e "$root" || die "building ibgda's native module failed (see above)"
+  fi
   step "$venv is up to date ($mode)"
   exit 0
 fi
