@@ -65,8 +65,11 @@ if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$stamp" ]]; then
   # A venv kept from another checkout (a CI cache) lacks this checkout's in-place native build.
   if ! "$venv/bin/python" -c "import ibgda._host_atomics" 2>/dev/null; then
     step "building ibgda's native module into this checkout (the venv is kept from another)"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
-      --no-build-isolation -e "$root" || die "building ibgda's native module failed (see above)"
+    if ! built="$("$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+        --no-deps --no-build-isolation -e "$root" 2>&1)"; then  # setuptools' warnings: noise
+      echo "$built" >&2
+      die "building ibgda's native module failed (see above)"
+    fi
   fi
   step "$venv is up to date ($mode)"
   exit 0
