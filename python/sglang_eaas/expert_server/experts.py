@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from sglang_eaas.checkpoint import tensor_files
+from sglang_eaas.expert_server.slices import Part
 from sglang_eaas.expert_server.weight_store import WeightBacking, WeightStore
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 
@@ -48,12 +49,14 @@ class LayerExperts:
 
 def load_experts(model_path: str | Path, info: MoeModelInfo,
                  experts: list[int] | Mapping[int, list[int]],
-                 dtype: torch.dtype, store: WeightStore | None = None) -> dict[int, LayerExperts]:
+                 dtype: torch.dtype, store: WeightStore | None = None,
+                 part: Part | None = None) -> dict[int, LayerExperts]:
     """``{layer_id: LayerExperts}``: ``experts`` (global ids) in every MoE layer, or per layer
     (``{layer: ids}``; a layer with no ids, or not named, is not held at all); their rows where
-    ``store`` puts them (plain memory by default)."""
+    ``store`` puts them (plain memory by default). ``part``: only that part of each expert
+    (``slices.py``; ``store`` then has the part's shape, ``part.info(info)``)."""
     model_path = Path(model_path)
-    store = store or WeightStore(None, info, dtype)
+    store = store or WeightStore(None, info if part is None else part.info(info), dtype)
     by_layer = ({layer: list(experts) for layer in info.moe_layers}
                 if not isinstance(experts, Mapping) else
                 {layer: list(ids) for layer, ids in experts.items() if ids})
@@ -65,24 +68,26 @@ def load_experts(model_path: str | Path, info: MoeModelInfo,
     if bad:
         raise ModelError(f"experts {bad} do not exist: the model has {info.num_experts}")
     files = tensor_files(model_path)
-    wanted: dict[Path, list[tuple[str, int, int, int]]] = {}  # file -> (tensor, layer, row, part)
+    # file -> (tensor, layer, row, projection: 0 gate, 1 up, 2 down)
+    wanted: dict[Path, list[tuple[str, int, int, int]]] = {}
     for layer, ids in by_layer.items():
         for row, expert in enumerate(ids):
-            for part, name in enumerate(info.expert_tensor_names(layer, expert)):
+            for projection, name in enumerate(info.expert_tensor_names(layer, expert)):
                 if name not in files:
                     raise ModelError(f"tensor {name} is missing from {model_path}")
-                wanted.setdefault(files[name], []).append((name, layer, row, part))
+                wanted.setdefault(files[name], []).append((name, layer, row, projection))
     layers = {}
     for layer, ids in by_layer.items():
         w13, w2, backing = store.empty(len(ids))
         layers[layer] = LayerExperts(w13, w2, index_of(ids, info.num_experts), backing)
-    inter = info.moe_intermediate_size
+    inter = store.info.moe_intermediate_size  # the rows' width: I, or a part's I / P
     for file, names in wanted.items():
         with safe_open(file, "pt") as f:
-            for name, layer, row, part in names:
+            for name, layer, row, projection in names:
                 rows = layers[layer]
-                dst = (rows.w13[row, :inter], rows.w13[row, inter:], rows.w2[row])[part]
-                dst.copy_(f.get_tensor(name))  # gate, up, down (expert_tensor_names' order)
+                dst = (rows.w13[row, :inter], rows.w13[row, inter:], rows.w2[row])[projection]
+                tensor = f.get_tensor(name)  # gate, up, down (expert_tensor_names' order)
+                dst.copy_(tensor if part is None else part.of(tensor, projection))
     return layers
 
 

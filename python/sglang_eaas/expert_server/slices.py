@@ -1,0 +1,68 @@
+"""Slices of experts along the intermediate dimension: tensor parallelism over expert servers
+(issue 22, docs/switching.md).
+
+Part ``p`` of ``P`` of an expert is rows ``p * I/P .. (p+1) * I/P - 1`` of its gate projection
+and the same rows of its up projection, kept paired as ``w13`` keeps a whole expert (gate rows,
+then up rows), and the same columns of its down projection. The kernels that compute a whole
+expert compute a part unchanged: ``silu(gate_p x) * (up_p x)`` is part ``p`` of the expert's
+intermediate activation, ``down_p`` maps it to that part's share of the output, and the ``P``
+shares add up to the expert's output, exact up to the order of the float additions. A layer of
+parts is a ``LayerExperts`` whose rows are ``I/P`` wide; its rows live in a ``WeightStore`` of
+``Part.info`` (the model's shape with ``I/P``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from sglang_eaas.model_info import MoeModelInfo
+
+
+@dataclass(frozen=True)
+class Part:
+    """Part ``index`` of ``parts`` of every expert of a layer (``Part(0, 1)``: whole experts)."""
+
+    index: int
+    parts: int
+
+    def check(self, intermediate: int) -> None:
+        """``ValueError`` (one sentence) unless ``parts`` divides ``intermediate`` and
+        ``0 <= index < parts``."""
+        if self.parts < 1 or not 0 <= self.index < self.parts:
+            raise ValueError(f"part {self.index} of {self.parts} does not exist: parts are "
+                             f"numbered 0 to parts - 1, and there is at least one")
+        if intermediate % self.parts:
+            raise ValueError(f"an expert's intermediate size {intermediate} does not split "
+                             f"into {self.parts} equal parts")
+
+    def bounds(self, intermediate: int) -> tuple[int, int]:
+        """The part's rows of gate (and of up), and columns of down: ``[lo, hi)``."""
+        self.check(intermediate)
+        width = intermediate // self.parts
+        return self.index * width, (self.index + 1) * width
+
+    def info(self, info: MoeModelInfo) -> MoeModelInfo:
+        """The model's expert shape as a layer of this part's rows sees it (``I / parts``)."""
+        self.check(info.moe_intermediate_size)
+        return replace(info, moe_intermediate_size=info.moe_intermediate_size // self.parts)
+
+    def of(self, tensor: torch.Tensor, projection: int) -> torch.Tensor:
+        """This part of one checkpoint tensor (a view): ``projection`` 0 (gate) or 1 (up)
+        ``[I, H]`` -> rows; 2 (down) ``[H, I]`` -> columns."""
+        if projection < 2:
+            lo, hi = self.bounds(tensor.shape[0])
+            return tensor[lo:hi]
+        lo, hi = self.bounds(tensor.shape[1])
+        return tensor[:, lo:hi]
+
+
+def part_rows(w13: torch.Tensor, w2: torch.Tensor, part: Part
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``part`` of whole experts' rows (``w13 [n, 2I, H]``, ``w2 [n, H, I]``), as new contiguous
+    tensors ``[n, 2I/P, H]`` and ``[n, H, I/P]``: gate rows then up rows, down columns."""
+    inter = w2.shape[-1]
+    lo, hi = part.bounds(inter)
+    gate, up = w13[:, lo:hi], w13[:, inter + lo:inter + hi]
+    return torch.cat([gate, up], dim=1).contiguous(), w2[:, :, lo:hi].contiguous()
