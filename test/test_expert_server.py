@@ -233,7 +233,11 @@ def test_cli_refuses_bad_arguments(tiny_qwen3):
     for args, message in [(["--experts", "3-9"], "expert 9 does not exist: the model has 8"),
                           (["--experts", "x"], "is not an expert id"),
                           (["--experts", "0", "--listen", "nowhere"], "is not HOST:PORT"),
-                          (["--experts", "0", "--token", ""], "needs a shared token")]:
+                          (["--experts", "0", "--token", ""], "needs a shared token"),
+                          (["--experts", "0", "--spare-experts", "-1"],
+                           "--spare-experts must be >= 0"),
+                          (["--experts", "0", "--fill-threads", "0"],
+                           "--fill-threads must be >= 1")]:
         result = subprocess.run([sys.executable, "-m", "sglang_eaas.expert_server",
                                  "--model-path", str(tiny_qwen3), *args],
                                 capture_output=True, text=True, timeout=60)

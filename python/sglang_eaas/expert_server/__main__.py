@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None):
                    "always reads a peer's rows into its own region; 'off' keeps weights in "
                    "plain memory and moves them over the control channel (the slow path; "
                    "docs/elastic.md); default %(default)s")
-    p.add_argument("--spare-experts", type=int, default=-1, metavar="N",
+    p.add_argument("--spare-experts", type=int, default=None, metavar="N",
                    help="rows of room per MoE layer past the experts held, in the layer's "
                    "fabric region, faulted in at start: replicas added later are written there "
                    "in place (warm memory, nothing else copied) until they run out, then the "
@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None):
                    "server reserves a region of N rows per MoE layer for its first fill); "
                    "default: a quarter of the most experts held in a layer (at least 2), for a "
                    "standby server a quarter of the model's experts")
-    p.add_argument("--fill-threads", type=int, default=0, metavar="N",
+    p.add_argument("--fill-threads", type=int, default=None, metavar="N",
                    help="threads that copy a fill's rows from a peer on this host (a copy of "
                    "this size is bound by how many cores write); default: this machine's "
                    "cores, at most 8")
@@ -162,9 +162,9 @@ def parse_args(argv: list[str] | None = None):
     for flag in ("max_clients", "max_tokens", "min_batch_tokens", "threads"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.spare_experts < -1:
+    if args.spare_experts is not None and args.spare_experts < 0:
         p.error("--spare-experts must be >= 0")
-    if args.fill_threads < 0:
+    if args.fill_threads is not None and args.fill_threads < 1:
         p.error("--fill-threads must be >= 1")
     for flag in ("max_wait_us", "poll_spin_us"):
         if getattr(args, flag) < 0:
@@ -190,7 +190,8 @@ def parse_args(argv: list[str] | None = None):
         max_wait_us=args.max_wait_us, poll_spin_us=args.poll_spin_us, threads=args.threads,
         layer_experts=layer_experts, monitor=args.monitor, heartbeat=args.heartbeat,
         kernel=args.kernel, shrink=not args.disable_shrink, weight_fabric=args.weight_fabric,
-        spare_experts=args.spare_experts, fill_threads=args.fill_threads,
+        spare_experts=-1 if args.spare_experts is None else args.spare_experts,
+        fill_threads=args.fill_threads or 0,
     )
 
 
