@@ -194,6 +194,37 @@ def test_spare_rows_take_adds_in_place_and_a_standby_fills_its_reserved_regions(
         monitor.close()
 
 
+def test_a_mapped_region_does_not_change_under_its_holders_appends_drops_and_compaction(
+        started, tiny_qwen3, info):
+    """A peer that mapped a holder's layer keeps seeing the same rows while the holder appends
+    replicas into that region's spare rows, drops one (its row stays), and then compacts the
+    layer into a new region (the old one unlinked: the mapping keeps its memory)."""
+    first = info.moe_layers[0]
+    monitor = MonitorServer(MonitorConfig(token=TOKEN)).start()
+    try:
+        source = started(range(8), monitor=monitor.address)
+        holder = started(layer_experts={first: (0, 1, 2), info.moe_layers[1]: (0,)},
+                         spare_experts=2, monitor=monitor.address)
+        reader = started(layer_experts={first: (), info.moe_layers[1]: (0,)},
+                         monitor=monitor.address)
+        call(reader.address, AddExperts(first, [0, 1, 2], holder.address), TOKEN)
+        mapped = reader.held.layers[first]
+        assert mapped.backing.mapped and mapped.w13.shape[0] == 3
+        before = mapped.w13.clone(), mapped.w2.clone()
+        call(holder.address, AddExperts(first, [5, 6], source.address), TOKEN)  # in place
+        assert holder.held.layers[first].backing.free == 0
+        call(holder.address, DropExperts(first, [1], grace=0.0), TOKEN)
+        wait_until(lambda: int(holder.held.layers[first].local_index[1]) < 0, 10, "the drop")
+        call(holder.address, AddExperts(first, [7], source.address), TOKEN)  # compacts
+        assert holder.held.layers[first].backing.rows == 5 + 2  # 4 live, 1 new, 2 spare
+        gc.collect()
+        assert torch.equal(mapped.w13, before[0]) and torch.equal(mapped.w2, before[1])
+        assert_holds_checkpoint(reader, tiny_qwen3, first, [0, 1, 2])
+        assert_holds_checkpoint(holder, tiny_qwen3, first, [0, 2, 5, 6, 7])
+    finally:
+        monitor.close()
+
+
 def test_a_fill_over_mooncake_reads_with_the_transfer_engine(started, tiny_qwen3, info):
     """Mooncake regions are not mapped into the reader: the rows come by Transfer Engine reads
     (TCP on this host; RDMA or TCP across hosts), land in the receiver's spare rows, and equal
