@@ -33,7 +33,7 @@ from sglang_eaas import cpu_runtime, envs
 from sglang_eaas.balance.apply import apply_placement
 from sglang_eaas.config import RESULT_TIMEOUT
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.membership import connect
+from sglang_eaas.membership import current_snapshot
 from sglang_eaas.protocol.control import probe
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 from sglang_eaas.addresses import free_port
@@ -200,9 +200,7 @@ def main() -> int:
         print(f"bench: error: SGLang failed to start: {exc}", file=sys.stderr)
         return 1
     try:
-        watcher = connect(monitor, envs.TOKEN.get())
-        servers = sorted(m.id for m in watcher.watch(-1, 0.0).servers())
-        watcher.close()
+        servers = sorted(m.id for m in current_snapshot(monitor, envs.TOKEN.get()).servers())
         kill_at = [args.duration * (i + 1) / (args.kills + 1) for i in range(args.kills)]
         took: list[float] = []  # --fault replace: how long each move took
         if args.fault == "replace":
@@ -217,9 +215,7 @@ def main() -> int:
             for i, (at, victim) in enumerate(zip(kill_at, victims)):
                 time.sleep(max(0.0, run.started + at - time.perf_counter()))
                 if args.fault == "replace":
-                    watcher = connect(monitor, envs.TOKEN.get())
-                    current = watcher.watch(-1, 0.0).holdings()
-                    watcher.close()
+                    current = current_snapshot(monitor, envs.TOKEN.get()).holdings()
                     done = apply_placement(current, rotated(current, i), envs.TOKEN.get(),
                                            grace=1.0)
                     took.append(done.seconds)

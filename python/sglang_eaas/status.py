@@ -16,7 +16,7 @@ from collections import Counter
 
 from ibgda import TransportError
 from sglang_eaas import envs
-from sglang_eaas.membership import connect, parse_monitor
+from sglang_eaas.membership import current_snapshot, parse_monitor
 from sglang_eaas.protocol.monitor import Member, Snapshot
 
 
@@ -114,11 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if not token:
         p.error(f"the monitor needs the shared token: pass --token or set {envs.TOKEN.name}")
     try:
-        backend = connect(args.monitor, token)
-        try:
-            snapshot = backend.watch(-1, 0.0)
-        finally:
-            backend.close()
+        snapshot = current_snapshot(args.monitor, token)
     except TransportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -24,7 +24,7 @@ from typing import Callable
 
 from sglang_eaas import cpu_runtime, envs
 from sglang_eaas.balance.apply import apply_placement
-from sglang_eaas.membership import connect
+from sglang_eaas.membership import current_snapshot
 from sglang_eaas.addresses import free_port
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer
@@ -85,11 +85,7 @@ def run_live(model: Path, even: Holdings, placements: list[tuple[str, Holdings]]
                           "--eaas-monitor", f"embedded:{monitor}", log_path=log_path).start()
     try:
         def snapshot():
-            watcher = connect(monitor, token)
-            try:
-                return watcher.watch(-1, 0.0).holdings()
-            finally:
-                watcher.close()
+            return current_snapshot(monitor, token).holdings()
 
         names = _server_names(snapshot(), even)
         ids = {name: live_id for live_id, name in names.items()}

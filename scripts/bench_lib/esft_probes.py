@@ -9,17 +9,13 @@ import os
 from pathlib import Path
 
 from sglang_eaas import envs
-from sglang_eaas.membership import connect
+from sglang_eaas.membership import current_snapshot
 from sglang_eaas.protocol.control import probe
 
 
 def expert_servers(monitor: str) -> list[str]:
     """The expert servers the monitor lists (their control addresses)."""
-    watcher = connect(monitor, envs.TOKEN.get())
-    try:
-        return [m.id for m in watcher.watch(-1, 0.0).servers()]
-    finally:
-        watcher.close()
+    return [m.id for m in current_snapshot(monitor, envs.TOKEN.get()).servers()]
 
 
 def expert_weight_bytes(monitor: str) -> int:
