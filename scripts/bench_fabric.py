@@ -49,6 +49,7 @@ from bench_lib.report import ROOT, Report, default_out, say  # noqa: E402
 
 import ibgda  # noqa: E402
 from sglang_eaas import envs  # noqa: E402
+from sglang_eaas.expert_server.fabric import split_memcpy  # noqa: E402
 from sglang_eaas.expert_server.server import (  # noqa: E402
     ExpertServer, ExpertServerConfig, fill_threads,
 )
@@ -90,11 +91,8 @@ def memcpy(dst: torch.Tensor, src: torch.Tensor, pool: ThreadPoolExecutor | None
     nbytes, to, at = src.numel(), dst.data_ptr(), src.data_ptr()
     if pool is None:
         ctypes.memmove(to, at, nbytes)
-        return
-    step = -(-nbytes // threads)
-    for part in [pool.submit(ctypes.memmove, to + i, at + i, min(step, nbytes - i))
-                 for i in range(0, nbytes, step)]:
-        part.result()
+    else:
+        split_memcpy(to, at, nbytes, pool, threads)  # as a fill copies
 
 
 def memcpy_seconds(nbytes: int, threads: int, repeat: int) -> float:

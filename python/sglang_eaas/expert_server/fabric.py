@@ -256,12 +256,18 @@ class FabricReader:
         if src is None:
             peer.read(offset, dst)
             return
-        to, at = dst.data_ptr(), src.data_ptr()
-        step = -(-nbytes // self.threads)
-        parts = [self._pool.submit(ctypes.memmove, to + i, at + i, min(step, nbytes - i))
-                 for i in range(0, nbytes, step)]
-        for part in parts:
-            part.result()
+        split_memcpy(dst.data_ptr(), src.data_ptr(), nbytes, self._pool, self.threads)
+
+
+def split_memcpy(to: int, at: int, nbytes: int, pool: ThreadPoolExecutor, threads: int
+                 ) -> None:
+    """glibc ``memcpy`` of ``nbytes`` from address ``at`` to ``to``, in ``threads`` pieces on
+    ``pool``'s threads (ctypes lets the GIL go during each); returns when all are copied."""
+    step = -(-nbytes // threads)
+    parts = [pool.submit(ctypes.memmove, to + i, at + i, min(step, nbytes - i))
+             for i in range(0, nbytes, step)]
+    for part in parts:
+        part.result()
 
 
 @dataclass
