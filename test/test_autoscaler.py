@@ -9,7 +9,9 @@ import random
 import pytest
 
 from ibgda import TransportError
-from sglang_eaas.elastic.autoscaler import IN, OUT, Autoscaler, AutoscalePolicy, TierBusy
+from sglang_eaas.elastic.autoscaler import (
+    BOUND, BUSY_IN, BUSY_OUT, IN, OUT, Autoscaler, AutoscalePolicy, TierBusy,
+)
 from sglang_eaas.elastic.tier_busy import TierBusySampler
 from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.protocol.monitor import SERVER, Member, Snapshot
@@ -90,6 +92,7 @@ def test_the_servers_utilisation_gates_both_ways():
     scaler = Autoscaler(POLICY, clock=lambda: tier.now, tier_busy=lambda: busy[0])
     tier.run(scaler, 60, load=5)  # violated for 6 windows, the servers 10% busy
     assert tier.decisions == [] and "not scaling out" in scaler.held
+    assert scaler.held_by == BUSY_OUT
     busy[0] = TierBusy(0.5, 2)
     tier.run(scaler, POLICY.window, load=5)  # busy now: out at once (patience already spent)
     assert [d for _, d in tier.decisions] == [OUT] and tier.servers == 3
@@ -100,9 +103,10 @@ def test_the_servers_utilisation_gates_both_ways():
     scaler = Autoscaler(POLICY, clock=lambda: tier.now, tier_busy=lambda: busy[0])
     tier.run(scaler, 100, load=1)  # 0.25x the targets: slack
     assert tier.decisions == [] and "not scaling in" in scaler.held and "100%" in scaler.held
+    assert scaler.held_by == BUSY_IN
     busy[0] = TierBusy(0.25, 2)  # one fewer: 50%
     tier.run(scaler, POLICY.window, load=1)
-    assert [d for _, d in tier.decisions] == [IN] and scaler.held == ""
+    assert [d for _, d in tier.decisions] == [IN] and scaler.held == scaler.held_by == ""
 
 
 def test_a_tier_at_its_bounds_is_not_asked_past_them():
@@ -114,6 +118,7 @@ def test_a_tier_at_its_bounds_is_not_asked_past_them():
                         bounds=(2, 3))
     tier.run(scaler, 60, load=0, per_second=0)
     assert tier.decisions == [] and "already at 2 servers" in scaler.held
+    assert scaler.held_by == BOUND
     tier.run(scaler, 2 * POLICY.window, load=5)
     assert [d for _, d in tier.decisions] == [OUT]
     busy[0] = TierBusy(0.9, 3)

@@ -76,10 +76,9 @@ class SchedulerAutoscaler:
             window = self.scaler.last_window
             if window is not None and self.metrics is not None:
                 self.metrics.window(window)
-            why = self.scaler.held.rpartition(": ")[2]  # the check that holds it back
-            if why and why != held:
+            if self.scaler.held_by and self.scaler.held_by != held:
                 logger.info("eaas autoscaler: %s", self.scaler.held)
-            held = why
+            held = self.scaler.held_by
             if decision is not None:
                 logger.info("eaas autoscaler: scale %s: %s", decision.direction,
                             decision.reason)

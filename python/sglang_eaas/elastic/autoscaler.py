@@ -41,6 +41,7 @@ from typing import Callable
 import numpy as np
 
 OUT, IN = "out", "in"
+BOUND, BUSY_OUT, BUSY_IN = "bound", "busy_out", "busy_in"  # what holds a due decision back
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class Autoscaler:
         self.last_window: Window | None = None
         self.last_decision: Decision | None = None
         self.held: str = ""  # why the last window's due decision was held back ("" if none)
+        self.held_by: str = ""  # the check that held it: BOUND, BUSY_OUT, BUSY_IN ("" if none)
 
     def finished(self, ttft: float, tpot: float) -> None:
         """A request finished: its time to first token and time per output token (seconds)."""
@@ -161,15 +163,17 @@ class Autoscaler:
         self._violations = self._violations + 1 if window.violates(p) else 0
         self._slack = self._slack + 1 if window.slack(p) else 0
         cooled = self._last_decision_at is None or now - self._last_decision_at >= p.cooldown
-        decision, self.held = None, ""
+        decision, self.held, self.held_by = None, "", ""
         said = "" if busy is None else f"; expert servers {busy.utilisation:.0%} busy"
         if self._violations >= p.patience and cooled:
             why = (f"SLO attainment {window.attainment:.0%} < {p.attainment:.0%} for "
                    f"{self._violations} windows of {p.window:g}s (p90 at "
                    f"{window.pressure:.2f}x the targets){said}")
             if busy is not None and busy.servers >= self.bounds[1]:
+                self.held_by = BOUND
                 self.held = f"{why}: not scaling out, already at {self.bounds[1]} servers"
             elif busy is not None and busy.utilisation < p.busy_out:
+                self.held_by = BUSY_OUT
                 self.held = (f"{why}: not scaling out, the expert servers are under "
                              f"{p.busy_out:.0%} busy (the latency is not theirs)")
             else:
@@ -179,8 +183,10 @@ class Autoscaler:
                    f"{window.pressure:.2f}x the targets (<= {p.slack:g}x) for {self._slack} "
                    f"windows of {p.window:g}s{said}")
             if busy is not None and busy.servers <= self.bounds[0]:
+                self.held_by = BOUND
                 self.held = f"{why}: not scaling in, already at {self.bounds[0]} servers"
             elif busy is not None and busy.after_one_fewer() > p.busy_in:
+                self.held_by = BUSY_IN
                 self.held = (f"{why}: not scaling in, one server fewer would leave the others "
                              f"{busy.after_one_fewer():.0%} busy (> {p.busy_in:.0%})")
             else:
