@@ -127,10 +127,10 @@ class Memory:
 def start_standby(model: Path, monitor: str, count: int, log: Path) -> list[subprocess.Popen]:
     """``count`` ``--standby`` expert servers registering with ``monitor`` (the token from the
     environment), as an operator would start them next to a running tier."""
-    out = open(log, "ab")
-    return [subprocess.Popen([sys.executable, "-m", "sglang_eaas.expert_server", "--standby",
-                              "--model-path", str(model), "--monitor", monitor],
-                             stdout=out, stderr=subprocess.STDOUT) for _ in range(count)]
+    with open(log, "ab") as out:  # each child has its own descriptor of it
+        return [subprocess.Popen([sys.executable, "-m", "sglang_eaas.expert_server",
+                                  "--standby", "--model-path", str(model), "--monitor", monitor],
+                                 stdout=out, stderr=subprocess.STDOUT) for _ in range(count)]
 
 
 def first_token_after(url: str, vocab: int) -> float:
