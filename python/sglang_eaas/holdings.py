@@ -2,7 +2,11 @@
 
 * ``ServerHoldings``: one server's experts per MoE layer (sorted, distinct ids; an ESFT adapter's
   experts by their physical ids past the model's), and which of them are adapter experts
-  (``AdapterExpert``: the adapter, the base expert it replaces, its weights' digest).
+  (``AdapterExpert``: the adapter, the base expert it replaces, its weights' digest); and, per
+  MoE layer, the parts of experts it holds for tensor parallelism (``HeldParts``: the layer cut
+  into ``parts`` slices, part ``p`` of expert ``e`` named by the routed id ``e * parts + p``;
+  docs/switching.md), kept apart from its whole experts, so a server can hold both during a
+  switch.
 * ``Holdings``: the tier's, server id -> ``ServerHoldings``, in the order the servers were
   given (a routing table's server indices follow it).
 
@@ -30,6 +34,29 @@ class AdapterExpert(NamedTuple):
     digest: str  # sha256 of its three tensors' bytes in the adapter file
 
 
+class HeldParts(NamedTuple):
+    """The parts of experts a server holds in one MoE layer: each expert cut into ``parts``
+    slices along its intermediate dimension, part ``p`` of expert ``e`` named ``e * parts + p``
+    (``ids``: sorted, distinct)."""
+
+    parts: int
+    ids: Experts
+
+    def experts(self) -> Experts:
+        """The experts with at least one part held."""
+        return tuple(sorted({i // self.parts for i in self.ids}))
+
+
+def _held_parts(parts: int, ids: Iterable[int]) -> HeldParts:
+    if index(parts) < 2:
+        raise ValueError(f"a layer of parts cuts experts into at least 2 parts, not {parts}")
+    held = HeldParts(index(parts), _experts(ids))
+    if len(held.experts()) != len(held.ids):
+        raise ValueError(f"parts {list(held.ids)} of {parts}-part slices hold two parts of one "
+                         "expert (a server holds at most one part of an expert in a layer)")
+    return held
+
+
 def _experts(ids: Iterable[int]) -> Experts:
     held = tuple(sorted(index(e) for e in ids))
     if len(set(held)) != len(held):
@@ -38,13 +65,16 @@ def _experts(ids: Iterable[int]) -> Experts:
 
 
 class ServerHoldings(Mapping[int, Experts]):
-    """One server's experts per MoE layer (a layer it holds nothing of maps to ``()``) and
-    ``adapters``: MoE layer -> physical id -> ``AdapterExpert`` for the held adapter experts."""
+    """One server's experts per MoE layer (a layer it holds nothing of maps to ``()``),
+    ``adapters``: MoE layer -> physical id -> ``AdapterExpert`` for the held adapter experts, and
+    ``parts``: MoE layer -> ``HeldParts``, the parts of experts it holds there (layers with
+    some)."""
 
-    __slots__ = ("_layers", "adapters")
+    __slots__ = ("_layers", "adapters", "parts")
 
     def __init__(self, layers: Mapping[int, Iterable[int]] | None = None,
-                 adapters: Mapping[int, Mapping[int, Iterable]] | None = None):
+                 adapters: Mapping[int, Mapping[int, Iterable]] | None = None,
+                 parts: Mapping[int, tuple[int, Iterable[int]]] | None = None):
         self._layers: dict[int, Experts] = {
             index(layer): _experts(ids) for layer, ids in sorted((layers or {}).items())}
         described = {}
@@ -54,6 +84,9 @@ class ServerHoldings(Mapping[int, Experts]):
             if kept:
                 described[layer] = kept
         self.adapters: Mapping[int, Mapping[int, AdapterExpert]] = described
+        self.parts: Mapping[int, HeldParts] = {
+            index(layer): _held_parts(*held) for layer, held in sorted((parts or {}).items())
+            if held[1]}
 
     def __getitem__(self, layer: int) -> Experts:
         return self._layers[layer]
@@ -68,7 +101,8 @@ class ServerHoldings(Mapping[int, Experts]):
         """Equal to a ``ServerHoldings`` with the same experts and adapter records, or to a
         plain mapping of the same experts per layer (any sequence type)."""
         if isinstance(other, ServerHoldings):
-            return self._layers == other._layers and self.adapters == other.adapters
+            return (self._layers == other._layers and self.adapters == other.adapters
+                    and self.parts == other.parts)
         if not isinstance(other, Mapping):
             return NotImplemented
         try:
@@ -81,15 +115,25 @@ class ServerHoldings(Mapping[int, Experts]):
 
     def __repr__(self) -> str:
         adapters = f", adapters={dict(self.adapters)}" if self.adapters else ""
-        return f"ServerHoldings({self._layers}{adapters})"
+        parts = f", parts={dict(self.parts)}" if self.parts else ""
+        return f"ServerHoldings({self._layers}{adapters}{parts})"
 
     def __str__(self) -> str:
-        """``{layer: [experts]}``, as logs and messages show it."""
-        return str({layer: list(ids) for layer, ids in self._layers.items()})
+        """``{layer: [experts]}``, as logs and messages show it (and the parts held)."""
+        whole = str({layer: list(ids) for layer, ids in self._layers.items()})
+        if not self.parts:
+            return whole
+        return whole + " parts " + str({layer: f"{len(held.ids)} of {held.parts}-part slices"
+                                        for layer, held in self.parts.items()})
 
     def same_experts(self, other: Mapping[int, Iterable[int]]) -> bool:
         """Whether ``other`` holds the same experts per layer (adapter records aside)."""
         return self._layers == {layer: tuple(sorted(ids)) for layer, ids in other.items()}
+
+    def holds_any(self) -> bool:
+        """Whether it holds anything: an expert, or a part of one, in some layer (a standby
+        server holds nothing)."""
+        return any(self._layers.values()) or bool(self.parts)
 
     def experts(self) -> Experts:
         """Every expert held in at least one layer."""
@@ -100,7 +144,12 @@ class ServerHoldings(Mapping[int, Experts]):
         """``layer`` holding ``experts`` instead; ``adapters`` describes adapter experts among
         them, added to those already described (a dropped one's record goes with it)."""
         described = {**self.adapters, layer: {**self.adapters.get(layer, {}), **(adapters or {})}}
-        return ServerHoldings({**self._layers, layer: experts}, described)
+        return ServerHoldings({**self._layers, layer: experts}, described, self.parts)
+
+    def with_parts(self, layer: int, parts: int, ids: Iterable[int]) -> "ServerHoldings":
+        """``layer`` holding the parts ``ids`` of ``parts``-part slices instead of the parts it
+        held there (no ids: none)."""
+        return ServerHoldings(self._layers, self.adapters, {**self.parts, layer: (parts, ids)})
 
     def model_experts(self, num_experts: int) -> "ServerHoldings":
         """Without the ESFT adapter experts (physical ids ``>= num_experts``)."""
@@ -110,7 +159,7 @@ class ServerHoldings(Mapping[int, Experts]):
     def below(self, size: int) -> "ServerHoldings":
         """Only the expert ids under ``size`` (and their adapter records)."""
         return ServerHoldings({layer: [e for e in ids if e < size]
-                               for layer, ids in self._layers.items()}, self.adapters)
+                               for layer, ids in self._layers.items()}, self.adapters, self.parts)
 
     # -- the wire and files: string keys -------------------------------------------------
     def layers_message(self) -> dict[str, list[int]]:
@@ -122,15 +171,20 @@ class ServerHoldings(Mapping[int, Experts]):
         return {str(layer): {str(p): list(v) for p, v in experts.items()}
                 for layer, experts in self.adapters.items()}
 
+    def parts_message(self) -> dict[str, list]:
+        """``{str(layer): [parts, [routed ids]]}``."""
+        return {str(layer): [held.parts, list(held.ids)] for layer, held in self.parts.items()}
+
     @classmethod
     def from_message(cls, layers: Mapping[str, Iterable[int]],
-                     adapters: Mapping[str, Mapping[str, Iterable]] | None = None
-                     ) -> "ServerHoldings":
-        """From ``layers_message()`` and ``adapters_message()`` (shapes checked by the
-        receiver: ``protocol/monitor.py``'s ``check_layer_experts``/``check_adapter_experts``)."""
+                     adapters: Mapping[str, Mapping[str, Iterable]] | None = None,
+                     parts: Mapping[str, list] | None = None) -> "ServerHoldings":
+        """From ``layers_message()``, ``adapters_message()`` and ``parts_message()`` (shapes
+        checked by the receiver: ``protocol/lines.py``'s ``read_holdings``)."""
         return cls({int(layer): ids for layer, ids in layers.items()},
                    {int(layer): {int(p): v for p, v in experts.items()}
-                    for layer, experts in (adapters or {}).items()})
+                    for layer, experts in (adapters or {}).items()},
+                   {int(layer): (held[0], held[1]) for layer, held in (parts or {}).items()})
 
 
 class Holdings(Mapping[str, ServerHoldings]):
@@ -201,7 +255,8 @@ class Holdings(Mapping[str, ServerHoldings]):
         """``server`` holding ``held`` (replacing what it held, or added last). A plain
         mapping keeps what the server said of the adapter experts it still holds."""
         if not isinstance(held, ServerHoldings) and server in self._servers:
-            held = ServerHoldings(held, self._servers[server].adapters)
+            old = self._servers[server]
+            held = ServerHoldings(held, old.adapters, old.parts)
         return Holdings({**self._servers, server: held})
 
     def without(self, server: str) -> "Holdings":

@@ -4,6 +4,14 @@ Servers are named by a stable id (their control address), never by a list positi
 can lose or gain a server and the ids of the others keep their meaning. A table is immutable:
 every change is a new table with the next epoch, and a client swaps the whole table between
 steps (``EaasClient.stage``), so no layer ever sees half of two tables.
+
+Each layer has a layout, part of the table's epoch (docs/switching.md): expert parallelism
+(``parts`` 1: a token's entry goes to one holder of its expert), or tensor parallelism over
+``P`` parts (a token's entry for expert ``e`` becomes ``P`` entries, one per part, routed ids
+``e * P + p``, each to a holder of that part; their partial sums add up to the expert's output).
+The layout is read from the holdings, so it changes exactly when what the servers hold does: a
+layer is EP while whole experts cover it, else TP over the smallest ``P`` whose parts cover it.
+A switch therefore adds the new layout's weights, then drops the old ones; the drop flips it.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ class RoutingTable:
     # routed to no server (``assign`` gives ``NO_HOLDER``), for no holder can be trusted to be
     # the expert a request was rerouted to
     untrusted: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    # MoE layer -> the parts its experts are routed in (1: whole experts, EP); a layer not
+    # named is EP
+    layouts: Mapping[int, int] = field(default_factory=dict)
 
     @classmethod
     def build(cls, epoch: int, holdings: Holdings, moe_layers: list[int], num_experts: int,
@@ -41,7 +52,7 @@ class RoutingTable:
         assert isinstance(holdings, Holdings), type(holdings)
         base = base_experts or num_experts
         untrusted = _described_differently(holdings)
-        layers = {}
+        layers, layouts = {}, {}
         for layer in moe_layers:
             missing = [s for s, held in holdings.items() if layer not in held]
             if missing:
@@ -49,16 +60,29 @@ class RoutingTable:
             routed = [[e for e in held[layer] if e not in untrusted.get(layer, ())]
                       for held in holdings.values()]
             try:
-                layers[layer] = ExpertRouting(routed, num_experts,
-                                              allow_missing or base < num_experts)
+                whole = ExpertRouting(routed, num_experts, True)
             except PlacementError as exc:
                 raise PlacementError(f"MoE layer {layer}: {exc}") from None
-            if not allow_missing and [e for e in layers[layer].missing if e < base]:
-                raise PlacementError(f"MoE layer {layer}: experts "
-                                     f"{[e for e in layers[layer].missing if e < base]} are on "
-                                     "no expert server")
+            # the layouts that could route this layer: (experts missing, parts, routing)
+            candidates = [(_experts_missing(whole, 1, base), 1, whole)]
+            for parts in sorted({h.parts[layer].parts for h in holdings.values()
+                                 if layer in h.parts}):
+                held = [h.parts[layer].ids if layer in h.parts and h.parts[layer].parts == parts
+                        else () for h in holdings.values()]
+                try:
+                    routing = ExpertRouting([list(ids) for ids in held], num_experts * parts, True)
+                except PlacementError as exc:
+                    raise PlacementError(f"MoE layer {layer}, {parts}-part slices: "
+                                         f"{exc}") from None
+                candidates.append((_experts_missing(routing, parts, base), parts, routing))
+            lost, parts, layers[layer] = min(candidates, key=lambda c: (len(c[0]), c[1]))
+            if lost and not allow_missing:
+                raise PlacementError(f"MoE layer {layer}: experts {lost} are on no expert "
+                                     "server")
+            if parts > 1:
+                layouts[layer] = parts
         return cls(epoch, holdings, layers, num_experts, base,
-                   {layer: tuple(sorted(ids)) for layer, ids in untrusted.items()})
+                   {layer: tuple(sorted(ids)) for layer, ids in untrusted.items()}, layouts)
 
     @property
     def servers(self) -> tuple[str, ...]:
@@ -99,8 +123,24 @@ class RoutingTable:
         """MoE layer -> the model's experts no server of this table holds (only with
         ``allow_missing``); free ESFT adapter slots are not missing."""
         base = self.base_experts or self.num_experts
-        missing = {layer: [e for e in r.missing if e < base] for layer, r in self.layers.items()}
+        missing = {layer: _experts_missing(r, self.parts(layer), base)
+                   for layer, r in self.layers.items()}
         return {layer: ids for layer, ids in missing.items() if ids}
+
+    def parts(self, layer: int) -> int:
+        """The parts ``layer``'s experts are routed in: 1 (EP), or P (TP over P parts)."""
+        return self.layouts.get(layer, 1)
+
+    def expand(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
+        """``[T, K]`` expert ids -> the ids ``assign`` takes in ``layer``: the same in an EP
+        layer; in a TP layer of P parts, ``[T, K * P]``, entry ``(t, k * P + p)`` part ``p`` of
+        expert ``ids[t, k]`` (``e * P + p``; -1 stays -1)."""
+        parts = self.parts(layer)
+        if parts == 1:
+            return expert_ids
+        ids = expert_ids.astype(np.int64, copy=False)
+        routed = ids[..., None] * parts + np.arange(parts)
+        return np.where(ids[..., None] >= 0, routed, -1).reshape(ids.shape[0], -1)
 
     def without(self, server: str, allow_missing: bool = False) -> "RoutingTable":
         """The next epoch without ``server``; ``PlacementError`` naming the layer and experts
@@ -118,6 +158,12 @@ class RoutingTable:
         """``[T, K]`` expert ids of ``layer`` -> ``[T, K]`` indices into ``servers`` (-1 for -1,
         ``placement.NO_HOLDER`` for an expert no server holds)."""
         return self.layers[layer].assign(expert_ids)
+
+
+def _experts_missing(routing: ExpertRouting, parts: int, base: int) -> list[int]:
+    """The model's experts (ids under ``base``) ``routing`` of ``parts``-part slices cannot
+    compute: a part of theirs (or they, when whole) is on no server."""
+    return sorted({i // parts for i in routing.missing if i // parts < base})
 
 
 def _described_differently(holdings: Holdings) -> dict[int, set[int]]:

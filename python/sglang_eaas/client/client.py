@@ -152,7 +152,9 @@ class EaasClient:
     def _install(self, view: View) -> None:
         """Use ``view`` now (between steps, or after a failure narrowed the table)."""
         conns = list(view.connections.values())
-        if self._device_ok and conns and all(drives_devices(c) for c in conns):
+        # the device path routes EP layers only (a TP layer's expansion is not built there)
+        if (self._device_ok and conns and all(drives_devices(c) for c in conns)
+                and not view.table.layouts):
             step = self._device_step
             if step is not None and step.drives(view):
                 step.load_table(view.table)  # the same tensors: a captured graph stays valid
@@ -229,14 +231,23 @@ class EaasClient:
         self.dispatched[micro_batch] += 1
         self.metrics.dispatched(micro_batch)
         if self._device_step is None:  # the device path exchanges whole in combine
-            handle.ids, handle.out = topk_ids.cpu().numpy(), torch.zeros_like(hidden)
-            self.load.count(layer_id, handle.ids)
-            handle.step = self.max_tokens
-            if hidden.shape[0]:
-                self._start_chunk(handle, 0)
+            ids = topk_ids.cpu().numpy()
+            self.load.count(layer_id, ids)
+            self._start_host(handle, ids)
         else:
             self.load.count(layer_id, topk_ids)
         return handle
+
+    def _start_host(self, handle: Dispatched, ids: np.ndarray) -> None:
+        """The host path from the first chunk: ``ids`` as the layer's layout routes them (a
+        TP layer's entries expanded into one per part)."""
+        table = self.view.table
+        handle.parts = table.parts(handle.layer_id)
+        handle.ids = table.expand(handle.layer_id, ids)
+        handle.out = torch.zeros_like(handle.hidden)
+        handle.step = self.max_tokens
+        if handle.hidden.shape[0]:
+            self._start_chunk(handle, 0)
 
     def combine(self, handle: Dispatched) -> torch.Tensor:
         """Wait for ``handle``'s answers (sending its later chunks, and again the entries of
@@ -264,25 +275,34 @@ class EaasClient:
         handle.sent = self._send(handle, handle.chunk)
 
     def _send(self, handle: Dispatched, chunk: Chunk) -> list[Sent]:
-        """Send every pending entry of ``chunk`` to a holder of its expert."""
+        """Send every pending entry of ``chunk`` to a holder of its expert (of its part, in a
+        TP layer: each server gets at most one part of an expert, so its entries fit ``[rows,
+        K]`` as in EP)."""
         layer_id, rows = handle.layer_id, slice(chunk.start, chunk.start + handle.step)
         ids, hidden, weights = handle.ids[rows], handle.hidden[rows], handle.topk_weights[rows]
-        table, conns = self.view.table, self.view.connections
-        server_of = table.assign(layer_id, np.where(chunk.pending, ids, -1))
+        table, conns, parts = self.view.table, self.view.connections, handle.parts
+        if table.parts(layer_id) != parts:  # a loss changed the layer's layout mid-layer:
+            server_of = np.where(chunk.pending, NO_HOLDER, -1)  # the rest cannot be summed
+        else:
+            server_of = table.assign(layer_id, np.where(chunk.pending, ids, -1))
         orphans = server_of == NO_HOLDER
         if orphans.any():
-            self._record_orphans(layer_id, ids, orphans, handle.row_offset + chunk.start)
+            self._record_orphans(layer_id, ids // parts, orphans, handle.row_offset + chunk.start)
             chunk.pending &= ~orphans
         sent = []
         for index in np.unique(server_of[chunk.pending & (server_of >= 0)]).tolist():
             conn = conns[table.servers[index]]
             mask = server_of == index
             picked = np.flatnonzero(mask.any(axis=1))
-            chosen = torch.from_numpy(np.where(mask, ids, -1)[picked].astype(np.int32))
+            chosen = np.where(mask, ids, -1)[picked]
+            if parts > 1:  # one part per (token, k) at most: the one held here
+                chosen = chosen.reshape(picked.size, -1, parts).max(axis=2)
+            chosen = torch.from_numpy(chosen.astype(np.int32))
             picked_t = torch.from_numpy(picked).to(hidden.device)
             try:
                 conn.slots[handle.micro_batch].send(layer_id, hidden[picked_t], chosen,
-                                                    weights[picked_t].float(), ring=False)
+                                                    weights[picked_t].float(), ring=False,
+                                                    parts=parts)
                 conn.in_flight += 1
                 self.metrics.sent(conn.address)
             except (TransportError, ProtocolError) as exc:
@@ -378,8 +398,9 @@ class EaasClient:
         table in use has such an expert)."""
         table = self.view.table
         if table.missing.get(layer_id) or table.untrusted.get(layer_id):
-            ids = topk_ids.cpu().numpy()
-            self._record_orphans(layer_id, ids, table.assign(layer_id, ids) == NO_HOLDER,
+            parts = table.parts(layer_id)
+            ids = table.expand(layer_id, topk_ids.cpu().numpy())
+            self._record_orphans(layer_id, ids // parts, table.assign(layer_id, ids) == NO_HOLDER,
                                  row_offset)
 
     def _forward_device(self, handle: Dispatched) -> torch.Tensor:
@@ -399,10 +420,7 @@ class EaasClient:
                     if conn is not None:
                         self._lose(conn, why, report=True)
                 if self._device_step is None:  # no server left on the device path: the host's
-                    h.ids, h.out = h.topk_ids.cpu().numpy(), torch.zeros_like(h.hidden)
-                    h.step = self.max_tokens
-                    if h.hidden.shape[0]:
-                        self._start_chunk(h, 0)
+                    self._start_host(h, h.topk_ids.cpu().numpy())
                     return self.combine(h)
 
     def close(self) -> None:

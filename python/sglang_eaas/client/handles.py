@@ -13,7 +13,7 @@ from sglang_eaas.client.connection import ServerConnection
 
 class Sent(NamedTuple):
     """Entries sent to one server: its connection, their rows in the layer's batch ``[n]``
-    (int64), and which (row, k) entries of the chunk they are ``[chunk rows, K]`` (bool)."""
+    (int64), and which entries of the chunk they are ``[chunk rows, K * parts]`` (bool)."""
 
     conn: ServerConnection
     rows: torch.Tensor
@@ -22,8 +22,8 @@ class Sent(NamedTuple):
 
 @dataclass
 class Chunk:
-    """Up to ``max_tokens`` consecutive rows from ``start``; ``pending [rows, K]``: the entries
-    no server has answered yet."""
+    """Up to ``max_tokens`` consecutive rows from ``start``; ``pending [rows, K * parts]``: the
+    entries no server has answered yet."""
 
     start: int
     pending: np.ndarray
@@ -41,7 +41,8 @@ class Dispatched:
     topk_weights: torch.Tensor  # [T, K]
     row_offset: int  # where these rows start in the step's batch
     micro_batch: int  # which slot per server carries them
-    ids: np.ndarray | None = None  # topk_ids on the host
+    ids: np.ndarray | None = None  # topk_ids on the host, as routed: [T, K * parts]
+    parts: int = 1  # the layer's layout when dispatched: 1 EP, P TP (RoutingTable.expand)
     out: torch.Tensor | None = None  # [T, H] the sum, as the answers come
     step: int = 1  # rows per chunk (the servers' max_tokens when dispatched)
     chunk: Chunk | None = None

@@ -90,7 +90,7 @@ def active_and_standby(snapshot: Snapshot, fingerprint: str | None = None
     active, standby = [], []
     for m in snapshot.servers(fingerprint):
         if m.status == SERVING:
-            (active if any(m.holdings.values()) else standby).append(m.id)
+            (active if m.holdings.holds_any() else standby).append(m.id)
     return active, standby
 
 

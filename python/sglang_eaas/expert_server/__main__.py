@@ -35,6 +35,13 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--layer-experts", action="append", default=[], metavar="LAYER=SPEC",
                    help="the experts to hold in one MoE layer instead ('1=4-7'; 'none' holds "
                    "none there); repeat for more layers")
+    p.add_argument("--part", metavar="P/N", default=None,
+                   help="hold part P of N of each expert --experts and --layer-experts name, "
+                   "instead of the whole expert: rows P*I/N to (P+1)*I/N-1 of its gate and up "
+                   "projections and those columns of its down projection (tensor parallelism: "
+                   "N servers holding parts 0 to N-1 serve the layer together, each token's "
+                   "entry sent to all of them and their sums added; docs/switching.md). N must "
+                   "divide the experts' intermediate size; default: whole experts")
     p.add_argument("--standby", action="store_true",
                    help="start holding no experts, warm (model config read, kernels built, "
                    "registered with --monitor, which it needs), to be filled by a placement: a "
@@ -142,6 +149,8 @@ def parse_args(argv: list[str] | None = None):
         p.error("--model-path is required (unless --drain)")
     if args.standby and (args.experts is not None or args.layer_experts):
         p.error("--standby starts holding no experts: leave out --experts and --layer-experts")
+    if args.standby and args.part is not None:
+        p.error("--standby starts holding nothing: leave out --part")
     if args.standby and not args.monitor:
         p.error("--standby needs --monitor: a standby server is found through its monitor")
     if args.monitor:
@@ -181,6 +190,7 @@ def parse_args(argv: list[str] | None = None):
         if held and max(held) >= info.num_experts:
             raise PlacementError(f"expert {max(held)} does not exist: the model has "
                                  f"{info.num_experts}")
+        part = None if args.part is None else _part(args.part, info)
     except (ModelError, PlacementError) as exc:
         p.error(str(exc))
     return args, ExpertServerConfig(
@@ -191,8 +201,25 @@ def parse_args(argv: list[str] | None = None):
         layer_experts=layer_experts, monitor=args.monitor, heartbeat=args.heartbeat,
         kernel=args.kernel, shrink=not args.disable_shrink, weight_fabric=args.weight_fabric,
         spare_experts=-1 if args.spare_experts is None else args.spare_experts,
-        fill_threads=args.fill_threads or 0,
+        fill_threads=args.fill_threads or 0, part=part,
     )
+
+
+def _part(spec: str, info: MoeModelInfo) -> tuple[int, int]:
+    """``--part P/N`` -> ``(P, N)``; ``PlacementError`` in one sentence for anything else."""
+    from sglang_eaas.expert_server.slices import Part
+
+    index, sep, parts = spec.partition("/")
+    if not sep or not index.strip().isdigit() or not parts.strip().isdigit():
+        raise PlacementError(f"--part {spec!r} is not P/N, part P of N (e.g. 0/2)")
+    if int(parts) < 2:
+        raise PlacementError(f"--part {spec!r}: an expert is cut into at least 2 parts (a "
+                             "whole expert needs no --part)")
+    try:
+        Part(int(index), int(parts)).check(info.moe_intermediate_size)
+    except ValueError as exc:
+        raise PlacementError(f"--part {spec!r}: {exc}") from None
+    return int(index), int(parts)
 
 
 def _layer_experts(specs: list[str], info: MoeModelInfo) -> dict[int, tuple[int, ...]]:
@@ -263,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     held = ("standby: no experts (filled by a placement)" if args.standby else
+            f"part {config.part[0]} of {config.part[1]} of experts per MoE layer "
+            f"{ {layer: held.experts() for layer, held in server.held.holdings.parts.items()} }"
+            if config.part else
             f"experts {list(config.experts)}" if not config.layer_experts else
             f"experts per MoE layer {server.held.holdings}")
     print(f"sglang-eaas expert server ready on {server.address}: {held} of "

@@ -23,7 +23,7 @@ from sglang_eaas.expert_server.experts import LayerExperts, row_experts
 
 class _Current(NamedTuple):
     layer: weakref.ref  # the LayerExperts counted (weak: a dropped layer's weights go)
-    ids: np.ndarray  # its rows' global expert ids (-1: a row no id maps to)
+    ids: np.ndarray  # its rows' global expert ids (-1: a row no id maps to; a part: its expert)
     load: torch.Tensor  # [2, E_local] int64: entries, ns
 
 
@@ -33,21 +33,25 @@ class ExpertLoad:
         self._lock = threading.Lock()  # a fold against a read: nothing counted twice
         self._folded = {layer: np.zeros((2, num_experts), dtype=np.int64)
                         for layer in moe_layers}
-        self._current: dict[int, _Current] = {}
+        # (MoE layer, parts: 1 whole experts, P a layer of parts) -> the rows counted now
+        self._current: dict[tuple[int, int], _Current] = {}
 
     def of(self, layer_id: int, layer: LayerExperts) -> torch.Tensor:
         """The ``[2, E_local]`` int64 tensor ``layer``'s calls add their load to (the serving
-        loop's thread)."""
-        current = self._current.get(layer_id)
+        loop's thread). A part's entries count for its expert (each server of a TP group
+        computes its part of the same entries)."""
+        key = (layer_id, layer.parts)
+        current = self._current.get(key)
         if current is not None and current.layer() is layer:
             return current.load
-        fresh = _Current(weakref.ref(layer), row_experts(layer),
+        rows = row_experts(layer)
+        fresh = _Current(weakref.ref(layer), np.where(rows >= 0, rows // layer.parts, -1),
                          torch.zeros(2, layer.w13.shape[0], dtype=torch.int64))
         with self._lock:
             if current is not None:
                 self._fold(self._folded, layer_id, current)
             self._grow(layer_id, fresh.ids)
-            self._current[layer_id] = fresh
+            self._current[key] = fresh
         return fresh.load
 
     def _fold(self, into: dict[int, np.ndarray], layer_id: int, current: _Current) -> None:
@@ -69,7 +73,7 @@ class ExpertLoad:
         """``{layer: [2, num_experts]}`` (entries, ns) by global expert id, now."""
         with self._lock:
             totals = {layer: folded.copy() for layer, folded in self._folded.items()}
-            for layer, current in self._current.items():
+            for (layer, _), current in self._current.items():
                 self._fold(totals, layer, current)
         return totals
 

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from sglang_eaas.checkpoint import tensor_files
 from sglang_eaas.expert_server.slices import Part
 from sglang_eaas.expert_server.weight_store import WeightBacking, WeightStore
+from sglang_eaas.holdings import HeldParts
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 
 
@@ -32,13 +33,16 @@ class LayerExperts:
     row here, -1 for experts this server does not hold. A row no id maps to is never read
     (a layer mapped from a peer keeps the peer's rows; a dropped expert's row stays until the
     layer is compacted). ``backing``: the fabric region the rows live in (None: plain memory);
-    versions of a layer may share one (``weight_store.py``, "Spare rows").
+    versions of a layer may share one (``weight_store.py``, "Spare rows"). ``parts`` > 1: a
+    layer of parts of experts (``slices.py``; ``w13 [n, 2I/P, H]``, ``w2 [n, H, I/P]``), whose
+    ``local_index`` maps routed part ids ``e * P + p`` to rows.
     """
 
     w13: torch.Tensor
     w2: torch.Tensor
     local_index: torch.Tensor
     backing: WeightBacking | None = None
+    parts: int = 1  # > 1: rows are parts of experts, ``local_index`` over routed part ids
 
     def run(self, local_expert: int, x: torch.Tensor) -> torch.Tensor:
         """``expert(x)`` for ``x [n, H]``; the same ops as SGLang's ``moe_forward_native``."""
@@ -60,32 +64,63 @@ def load_experts(model_path: str | Path, info: MoeModelInfo,
     by_layer = ({layer: list(experts) for layer in info.moe_layers}
                 if not isinstance(experts, Mapping) else
                 {layer: list(ids) for layer, ids in experts.items() if ids})
-    unknown = sorted(set(by_layer) - set(info.moe_layers))
+    rows = {layer: [(e, part) for e in ids] for layer, ids in by_layer.items()}
+    return {layer: LayerExperts(w13, w2, index_of(by_layer[layer], info.num_experts), backing)
+            for layer, (w13, w2, backing) in _read_rows(model_path, info, rows, store).items()}
+
+
+def load_parts(model_path: str | Path, info: MoeModelInfo, held: Mapping[int, HeldParts],
+               dtype: torch.dtype, store: WeightStore | None = None
+               ) -> dict[int, LayerExperts]:
+    """``{layer_id: LayerExperts}`` of the parts of experts ``held`` names per MoE layer
+    (``HeldParts``: routed ids ``e * P + p``), read straight from the checkpoint, one row per
+    routed id in id order; each layer's ``local_index`` is over routed ids and its ``parts`` is
+    ``P``. ``store``: of one part's shape (``Part(0, P).info(info)``: every layer the same
+    ``P``); plain memory by default."""
+    model_path = Path(model_path)
+    if not held:
+        return {}
+    sizes = {h.parts for h in held.values()}
+    if len(sizes) > 1:
+        raise ModelError(f"one store holds one part width; layers are cut into {sorted(sizes)}")
+    if store is None:
+        store = WeightStore(None, Part(0, sizes.pop()).info(info), dtype)
+    rows = {layer: [(i // h.parts, Part(i % h.parts, h.parts)) for i in h.ids]
+            for layer, h in held.items() if h.ids}
+    return {layer: LayerExperts(w13, w2, index_of(list(held[layer].ids),
+                                                  info.num_experts * held[layer].parts),
+                                backing, held[layer].parts)
+            for layer, (w13, w2, backing) in _read_rows(model_path, info, rows, store).items()}
+
+
+def _read_rows(model_path: Path, info: MoeModelInfo,
+               rows: Mapping[int, list[tuple[int, Part | None]]], store: WeightStore
+               ) -> dict[int, tuple[torch.Tensor, torch.Tensor, WeightBacking | None]]:
+    """Per MoE layer, rows in ``store`` holding ``rows[layer]``'s (expert, part or None for
+    whole) in order, read from the checkpoint (each tensor once)."""
+    unknown = sorted(set(rows) - set(info.moe_layers))
     if unknown:
         raise ModelError(f"layers {unknown} are not MoE layers of {model_path} "
                          f"(those are {list(info.moe_layers)})")
-    bad = sorted({e for ids in by_layer.values() for e in ids if not 0 <= e < info.num_experts})
+    bad = sorted({e for held in rows.values() for e, _ in held if not 0 <= e < info.num_experts})
     if bad:
         raise ModelError(f"experts {bad} do not exist: the model has {info.num_experts}")
     files = tensor_files(model_path)
-    # file -> (tensor, layer, row, projection: 0 gate, 1 up, 2 down)
-    wanted: dict[Path, list[tuple[str, int, int, int]]] = {}
-    for layer, ids in by_layer.items():
-        for row, expert in enumerate(ids):
+    # file -> (tensor, layer, row, projection: 0 gate, 1 up, 2 down, part)
+    wanted: dict[Path, list[tuple[str, int, int, int, Part | None]]] = {}
+    for layer, held in rows.items():
+        for row, (expert, part) in enumerate(held):
             for projection, name in enumerate(info.expert_tensor_names(layer, expert)):
                 if name not in files:
                     raise ModelError(f"tensor {name} is missing from {model_path}")
-                wanted.setdefault(files[name], []).append((name, layer, row, projection))
-    layers = {}
-    for layer, ids in by_layer.items():
-        w13, w2, backing = store.empty(len(ids))
-        layers[layer] = LayerExperts(w13, w2, index_of(ids, info.num_experts), backing)
+                wanted.setdefault(files[name], []).append((name, layer, row, projection, part))
+    layers = {layer: store.empty(len(held)) for layer, held in rows.items()}
     inter = store.info.moe_intermediate_size  # the rows' width: I, or a part's I / P
     for file, names in wanted.items():
         with safe_open(file, "pt") as f:
-            for name, layer, row, projection in names:
-                rows = layers[layer]
-                dst = (rows.w13[row, :inter], rows.w13[row, inter:], rows.w2[row])[projection]
+            for name, layer, row, projection, part in names:
+                w13, w2, _ = layers[layer]
+                dst = (w13[row, :inter], w13[row, inter:], w2[row])[projection]
                 tensor = f.get_tensor(name)  # gate, up, down (expert_tensor_names' order)
                 dst.copy_(tensor if part is None else part.of(tensor, projection))
     return layers

@@ -2,6 +2,9 @@
 
 * ``layers``: the weights the serving loop computes with, one ``LayerExperts`` per MoE layer,
   each version in a region of the weight fabric (``store``) or in plain memory.
+* ``part_layers``: the parts of experts it holds for tensor parallelism, one ``LayerExperts``
+  of parts per MoE layer with any (``holdings.parts``; plain memory), apart from ``layers``:
+  a request's header says which of the two it was routed to (``served``).
   A change is staged (``swap_layer``) and applied by the serving loop between two batches
   (``apply_swaps``), so a request is always computed with the rows it was checked against.
 * ``holdings``: what the server says it holds (to joining clients, in ``stats``, to the
@@ -25,7 +28,9 @@ from typing import Callable, Mapping
 import torch
 
 from sglang_eaas.checkpoint import expert_digests
-from sglang_eaas.expert_server.experts import LayerExperts, load_experts, weight_bytes
+from sglang_eaas.expert_server.experts import (
+    LayerExperts, load_experts, load_parts, weight_bytes,
+)
 from sglang_eaas.expert_server.weight_store import WeightStore
 from sglang_eaas.holdings import AdapterExpert, ServerHoldings
 from sglang_eaas.model_info import MoeModelInfo
@@ -48,6 +53,8 @@ class HeldExperts:
         self.adapter_paths: Mapping[str, str] = {}
         self.layers: Mapping[int, LayerExperts] = load_experts(model_path, info, dict(holdings),
                                                                self.dtype, store)
+        self.part_layers: Mapping[int, LayerExperts] = load_parts(model_path, info,
+                                                                  holdings.parts, self.dtype)
         self.counters: collections.Counter[str] = collections.Counter()
         self._swaps: dict[int, LayerExperts | None] = {}  # applied by the loop between batches
         self._swapped = threading.Condition()
@@ -56,7 +63,16 @@ class HeldExperts:
         self.retiring: dict[int, dict[int, float]] = {}  # layer -> expert -> last request at
 
     def weight_bytes(self) -> int:
-        return weight_bytes(self.layers)
+        return weight_bytes(self.layers) + weight_bytes(self.part_layers)
+
+    def served(self, layer: int, parts: int) -> LayerExperts | None:
+        """The rows a request of ``layer`` routed in ``parts`` parts (a header's ``parts``)
+        computes with: the whole experts (``parts`` <= 1), or the layer's parts when they are
+        cut into that many; None where this server holds neither."""
+        if parts <= 1:
+            return self.layers.get(layer)
+        held = self.part_layers.get(layer)
+        return held if held is not None and held.parts == parts else None
 
     def count(self, counter: str, n: int = 1) -> None:
         """Count ``n`` more of ``counter`` (in ``stats``: replicas added, fetch fallbacks...)."""

@@ -63,11 +63,18 @@ class ExpertServerConfig:
     weight_fabric: str = "map"  # fabric.MODES: map (zero-copy where it can) | copy | off
     spare_experts: int = -1  # spare rows per MoE layer's region; -1: spare_rows() decides
     fill_threads: int = 0  # threads copying a fill's rows; 0: min(cores, FILL_THREADS)
+    part: tuple[int, int] | None = None  # (p, P): hold part p of P of those experts instead
 
     def holdings(self, moe_layers: tuple[int, ...]) -> ServerHoldings:
-        """Which experts this server holds in each MoE layer (possibly none in some)."""
-        return ServerHoldings({layer: self.layer_experts.get(layer, self.experts)
-                               for layer in moe_layers})
+        """Which experts this server holds in each MoE layer (possibly none in some): whole,
+        or (``part``) that part of each, as routed part ids."""
+        experts = {layer: self.layer_experts.get(layer, self.experts) for layer in moe_layers}
+        if self.part is None:
+            return ServerHoldings(experts)
+        p, parts = self.part
+        return ServerHoldings({layer: () for layer in moe_layers},
+                              parts={layer: (parts, [e * parts + p for e in ids])
+                                     for layer, ids in experts.items()})
 
 
 FILL_THREADS = 8  # the most threads a fill copies with by default
@@ -123,7 +130,7 @@ class ExpertServer:
             config.model_path, self.info, config.holdings(self.info.moe_layers),
             WeightStore(fabric_transport(self.transport, config.weight_fabric), self.info,
                         self.dtype, spare_rows(config, self.info)), self._announce)
-        if not any(self.held.holdings.values()):  # standby: warm for its first fill, which
+        if not self.held.holdings.holds_any():  # standby: warm for its first fill, which
             self.held.store.reserve(len(self.info.moe_layers))  # lands in faulted-in memory
             self.held.learn_digests(expert_digests(config.model_path, self.info))  # checked
         self.exports = None  # WeightExports, once the control endpoint has its address
@@ -291,9 +298,11 @@ class ExpertServer:
                     continue  # its client left; the next pass sees the new one
                 try:
                     header, hidden, ids, weights = slot.request()
-                    layer = self.held.layers.get(header.layer_id)
+                    layer = self.held.served(header.layer_id, header.parts)
                     if layer is None:
-                        raise HeaderError(RejectReason.UNKNOWN_LAYER, f"layer {header.layer_id}")
+                        raise HeaderError(RejectReason.UNKNOWN_LAYER, f"layer {header.layer_id}"
+                                          + (f" in {header.parts} parts" if header.parts > 1
+                                             else ""))
                     try:
                         local = local_experts(layer, ids)
                     except ValueError as exc:
@@ -330,12 +339,13 @@ class ExpertServer:
 
     def _run(self, batch: list[_Ready]) -> None:
         began = time.perf_counter()
-        by_layer: dict[int, list[_Ready]] = collections.defaultdict(list)
+        # a layer's whole experts and its parts (a switch holds both) are computed apart
+        by_layer: dict[tuple[int, int], list[_Ready]] = collections.defaultdict(list)
         for r in batch:
-            by_layer[r.header.layer_id].append(r)
-        for layer_id, requests in by_layer.items():
+            by_layer[r.header.layer_id, max(1, r.header.parts)].append(r)
+        for (layer_id, parts), requests in by_layer.items():
             try:
-                layer = self.held.layers[layer_id]
+                layer = self.held.served(layer_id, parts)
                 out = weighted_expert_sum(
                     layer, _cat([r.hidden.to(self.dtype) for r in requests]),
                     _cat([r.local_experts for r in requests]),

@@ -73,6 +73,9 @@ class RequestHeader:
     The payload that follows holds ``hidden [num_tokens, hidden_size]`` in ``dtype``,
     ``expert_ids [num_tokens, top_k]`` int32 (global ids, -1 = not for this server) and
     ``router_weights [num_tokens, top_k]`` float32; ``payload_bytes`` is their total size.
+    ``parts``: how the layer's experts were routed: 0 or 1 whole experts (EP), P > 1 parts of
+    P-part slices, the ids then routed part ids ``e * P + p`` (tensor parallelism,
+    docs/switching.md).
     """
 
     layer_id: int
@@ -82,23 +85,24 @@ class RequestHeader:
     dtype: DType
     seq: int  # strictly increasing per slot; a repeat or a step back is stale
     payload_bytes: int
+    parts: int = 1
 
-    _FMT = struct.Struct("<IHBxIIIIQQ")
-    SEQ_AT = struct.calcsize("<IHBxIIII")  # byte offset of seq (the device path stamps it)
+    _FMT = struct.Struct("<IHBBIIIIQQ")
+    SEQ_AT = struct.calcsize("<IHBBIIII")  # byte offset of seq (the device path stamps it)
     BODY_BYTES = _FMT.size  # the checksum follows
 
     def pack(self) -> bytes:
-        return _pack(self._FMT, MAGIC, VERSION, self.dtype, self.layer_id, self.num_tokens,
-                     self.top_k, self.hidden_size, self.seq, self.payload_bytes)
+        return _pack(self._FMT, MAGIC, VERSION, self.dtype, self.parts, self.layer_id,
+                     self.num_tokens, self.top_k, self.hidden_size, self.seq, self.payload_bytes)
 
     @classmethod
     def unpack(cls, buf: bytes) -> "RequestHeader":
-        _, _, dtype, layer, tokens, top_k, hidden, seq, payload = _unpack(cls._FMT, buf)
+        _, _, dtype, parts, layer, tokens, top_k, hidden, seq, payload = _unpack(cls._FMT, buf)
         try:
             dtype = DType(dtype)
         except ValueError:
             raise HeaderError(RejectReason.BAD_DTYPE, f"dtype code {dtype}") from None
-        return cls(layer, tokens, top_k, hidden, dtype, seq, payload)
+        return cls(layer, tokens, top_k, hidden, dtype, seq, payload, parts)
 
 
 @dataclass(frozen=True)

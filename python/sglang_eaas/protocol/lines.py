@@ -150,13 +150,18 @@ class Request(Message):
 
 
 # -- a server's holdings on the wire: integer keys become strings here ------------------------
-HOLDINGS_FIELDS = ("layer_experts", "adapter_experts")
+HOLDINGS_FIELDS = ("layer_experts", "adapter_experts", "layer_parts")
 
 
 def holdings_fields(held: ServerHoldings) -> dict[str, Any]:
-    """``held`` as the wire carries it: ``layer_experts`` ``{str(layer): [ids]}`` and
-    ``adapter_experts`` ``{str(layer): {str(physical id): [adapter, base expert, digest]}}``."""
-    return {"layer_experts": held.layers_message(), "adapter_experts": held.adapters_message()}
+    """``held`` as the wire carries it: ``layer_experts`` ``{str(layer): [ids]}``,
+    ``adapter_experts`` ``{str(layer): {str(physical id): [adapter, base expert, digest]}}`` and
+    ``layer_parts`` ``{str(layer): [parts, [routed part ids]]}`` (``HeldParts``; left out when
+    the server holds no parts, so a message of a server without them is unchanged)."""
+    fields = {"layer_experts": held.layers_message(), "adapter_experts": held.adapters_message()}
+    if held.parts:
+        fields["layer_parts"] = held.parts_message()
+    return fields
 
 
 def read_holdings(message: dict[str, Any]) -> tuple[dict[str, Any], ServerHoldings]:
@@ -178,8 +183,15 @@ def read_holdings(message: dict[str, Any]) -> tuple[dict[str, Any], ServerHoldin
         raise ControlError("bad_field", f"adapter_experts maps MoE layer numbers to "
                            f"{{physical expert id: [adapter, base expert, digest]}}, got "
                            f"{shown(adapters)}")
+    parts = message.get("layer_parts", {})
+    if not isinstance(parts, dict) or not all(
+            isinstance(layer, str) and layer.isdigit() and isinstance(v, list) and len(v) == 2
+            and type(v[0]) is int and v[0] >= 2 and isinstance(v[1], list)
+            and all(type(e) is int and e >= 0 for e in v[1]) for layer, v in parts.items()):
+        raise ControlError("bad_field", f"layer_parts maps MoE layer numbers to [parts >= 2, "
+                           f"[routed part ids]], got {shown(parts)}")
     try:
-        held = ServerHoldings.from_message(layers, adapters)
+        held = ServerHoldings.from_message(layers, adapters, parts)
     except ValueError as exc:
         raise ControlError("bad_field", f"layer_experts: {exc}") from None
     return {k: v for k, v in message.items() if k not in HOLDINGS_FIELDS}, held

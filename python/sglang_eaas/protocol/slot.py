@@ -41,10 +41,12 @@ def dtype_name(spelling: str) -> str:
 POLL_SPIN_US = 2000
 
 
-def request_header(layout: SlotLayout, layer_id: int, tokens: int, seq: int) -> bytes:
-    """The packed header of a request of ``tokens`` tokens for ``layer_id`` in a ``layout`` slot."""
+def request_header(layout: SlotLayout, layer_id: int, tokens: int, seq: int,
+                   parts: int = 1) -> bytes:
+    """The packed header of a request of ``tokens`` tokens for ``layer_id`` in a ``layout`` slot
+    (``parts``: the layer's experts routed in that many parts, ``RequestHeader.parts``)."""
     return RequestHeader(layer_id, tokens, layout.top_k, layout.hidden_size, layout.dtype, seq,
-                         layout.payload_bytes(tokens)).pack()
+                         layout.payload_bytes(tokens), parts).pack()
 
 
 def request_writes(layout: SlotLayout, base: int, hidden: torch.Tensor,
@@ -94,7 +96,7 @@ class ClientSlot:
         self.state = new
 
     def send(self, layer_id: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-             router_weights: torch.Tensor, ring: bool = True) -> None:
+             router_weights: torch.Tensor, ring: bool = True, parts: int = 1) -> None:
         """Publish a request: payload and header, then CLIENT_WRITE_DONE, in one put.
 
         Args:
@@ -104,6 +106,8 @@ class ClientSlot:
             ring: wake the server now; ``False``: the caller calls ``ring`` (a client that
                 sends to several servers publishes every request before it wakes any, so a
                 woken server cannot take the core before the others have their requests).
+            parts: the layer is routed in that many parts (``expert_ids`` are then routed part
+                ids ``e * parts + p``; ``RequestHeader.parts``).
         """
         layout, tokens = self.layout, hidden.shape[0]
         if (tokens > layout.max_tokens or tuple(hidden.shape) != (tokens, layout.hidden_size)
@@ -112,7 +116,7 @@ class ClientSlot:
             raise ProtocolError(f"request of {tokens} tokens does not fit slot {layout}")
         check_transition(Actor.CLIENT, self.state, SlotState.CLIENT_WRITE_DONE)
         self.seq += 1
-        header = request_header(layout, layer_id, tokens, self.seq)
+        header = request_header(layout, layer_id, tokens, self.seq, parts)
         views = self._views
         if views is not None:  # the same put, through this process's mapping
             views.hidden[:tokens].copy_(hidden)
