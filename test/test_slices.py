@@ -105,6 +105,7 @@ def test_a_layer_is_ep_while_whole_experts_cover_it_else_tp_over_the_parts_that_
     routed = table.expand(0, ids)
     assert routed.tolist() == [[6, 7, 0, 1], [2, 3, -1, -1]]  # e * 2 + p, -1 kept
     assert table.assign(0, routed).tolist() == [[0, 1, 0, 1], [0, 1, -1, -1]]
+    assert table.expand(0, np.zeros((0, 2), dtype=np.int64)).shape == (0, 4)  # an empty batch
     # whole experts in layer 1 too: that layer is EP (both cover it), layer 0 stays TP
     both = tp.with_server("c:1", ServerHoldings({0: [], 1: range(4)}))
     mixed = RoutingTable.build(1, both, [0, 1], 4)

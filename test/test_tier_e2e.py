@@ -22,7 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -30,6 +29,7 @@ import pytest
 import requests
 from conftest import CACHE, PROMPTS, open_log, start_server
 from hf_reference import hf_greedy_routes
+from streams import concurrent_streams
 from sglang_eaas.balance.apply import apply_placement
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.membership import connect
@@ -139,38 +139,9 @@ def deployment(request, tiny_qwen3, lonely):
     made.close()
 
 
-def _stream(url: str, prompt, first: threading.Barrier) -> tuple[list[int], dict]:
-    """One greedy streaming /generate: (output ids, finish reason)."""
-    key = "text" if isinstance(prompt, str) else "input_ids"
-    body = {key: prompt, "stream": True, "sampling_params": {
-        "max_new_tokens": STREAM_TOKENS, "temperature": 0.0, "ignore_eos": True}}
-    ids, reason, waited = [], None, False
-    with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[len(b"data: "):])
-            ids, reason = chunk["output_ids"], chunk["meta_info"]["finish_reason"]
-            if not waited:
-                waited = True
-                first.wait(timeout=120)  # every stream has its first token: the fault comes
-    return ids, reason
-
-
 def _streams(server, fault=lambda: None) -> list[list[int]]:
     """The eight streams at once; ``fault()`` runs once every stream has its first token."""
-    first = threading.Barrier(len(STREAMS) + 1)
-    with ThreadPoolExecutor(len(STREAMS)) as pool:
-        futures = [pool.submit(_stream, server.url, p, first) for p in STREAMS]
-        first.wait(timeout=120)
-        fault()
-        under_way = sum(not f.done() for f in futures)
-        results = [f.result() for f in futures]
-    assert under_way, "every stream had finished before the fault"  # it is mid-stream
-    assert all(reason == {"type": "length", "length": STREAM_TOKENS} for _, reason in results), (
-        [reason for _, reason in results])
-    return [ids for ids, _ in results]
+    return concurrent_streams(server.url, STREAMS, STREAM_TOKENS, fault)
 
 
 def _metric(server, name: str) -> float:

@@ -22,7 +22,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from sglang_eaas.holdings import Holdings
+from sglang_eaas.holdings import Holdings, ServerHoldings
 from sglang_eaas.placement import ExpertRouting, PlacementError
 
 
@@ -140,7 +140,7 @@ class RoutingTable:
             return expert_ids
         ids = expert_ids.astype(np.int64, copy=False)
         routed = ids[..., None] * parts + np.arange(parts)
-        return np.where(ids[..., None] >= 0, routed, -1).reshape(ids.shape[0], -1)
+        return np.where(ids[..., None] >= 0, routed, -1).reshape(ids.shape[0], ids.shape[1] * parts)
 
     def without(self, server: str, allow_missing: bool = False) -> "RoutingTable":
         """The next epoch without ``server``; ``PlacementError`` naming the layer and experts
@@ -158,6 +158,18 @@ class RoutingTable:
         """``[T, K]`` expert ids of ``layer`` -> ``[T, K]`` indices into ``servers`` (-1 for -1,
         ``placement.NO_HOLDER`` for an expert no server holds)."""
         return self.layers[layer].assign(expert_ids)
+
+
+def unroutable(holdings: Holdings, moe_layers: list[int], base_experts: int
+               ) -> dict[int, set[int]]:
+    """MoE layer -> the model's experts (ids under ``base_experts``) a table of ``holdings``
+    could not compute, whole or in parts (a layer a server does not name: it holds nothing
+    there; ESFT adapter experts are left out)."""
+    every = Holdings({s: ServerHoldings({layer: [e for e in held.get(layer, ()) if e < base_experts]
+                                         for layer in moe_layers}, None, held.parts)
+                      for s, held in holdings.items()})
+    table = RoutingTable.build(0, every, moe_layers, base_experts, allow_missing=True)
+    return {layer: set(ids) for layer, ids in table.missing.items()}
 
 
 def _experts_missing(routing: ExpertRouting, parts: int, base: int) -> list[int]:

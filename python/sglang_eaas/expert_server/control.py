@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from sglang_eaas.endpoint import LineEndpoint
 from sglang_eaas.expert_server.replicas import weights_chunk
 from sglang_eaas.protocol.control import (
-    OPS, SLOTS_PER_CONNECTION, AddExperts, Drain, Drained, DropExperts, ExpertWeights,
-    ExportWeights, JoinRequest, ReleaseWeights,
+    OPS, SLOTS_PER_CONNECTION, AddExperts, AddParts, Drain, Drained, DropExperts, DropParts,
+    ExpertWeights, ExportWeights, JoinRequest, ReleaseWeights,
 )
 from sglang_eaas.protocol.lines import ControlError, Done, Message
 
@@ -66,6 +66,10 @@ class ControlSession:
             return self.server.replicas.add(AddExperts.from_message(message))
         if op == "drop_experts":
             return self.server.replicas.drop(DropExperts.from_message(message))
+        if op == "add_parts":
+            return self.server.replicas.add_parts(AddParts.from_message(message))
+        if op == "drop_parts":
+            return self.server.replicas.drop_parts(DropParts.from_message(message))
         if op == "export_weights":
             return self.server.exports.export(ExportWeights.from_message(message))
         if op == "release_weights":

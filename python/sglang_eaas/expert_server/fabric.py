@@ -36,6 +36,7 @@ import torch
 import ibgda
 from ibgda import RegionHandle, TransportError
 from sglang_eaas.expert_server.experts import LayerExperts, grown
+from sglang_eaas.expert_server.slices import Part, part_rows
 from sglang_eaas.expert_server.weight_store import (
     WeightBacking, WeightStore, layer_views, row_shapes,
 )
@@ -199,8 +200,43 @@ class FabricReader:
             if isinstance(exc, TransportError):
                 self._forget(source, kept)
 
-    def _fill_from(self, lent: WeightsRegion, base: LayerExperts | None, experts: list[int],
-                   digests: dict[int, str], num_experts: int, source: str) -> Fill:
+    def read_parts(self, source: str, layer_id: int, experts: list[int],
+                   digests: dict[int, str], cuts: list[Part]
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Part ``cuts[i]`` of ``experts[i]`` of ``layer_id``, cut from the whole rows the
+        holder ``source`` lends (``digests`` as ``fill``'s): ``w13 [n, 2I/P, H]``, ``w2 [n, H,
+        I/P]`` in this server's dtype, plain memory; where the holder's region is mapped here
+        only the parts' bytes are copied, else whole rows are read and cut. Also the bytes
+        read (0 when mapped). Raises as ``fill`` does."""
+        kept, lent = self._lease(source, ExportWeights(layer_id, list(experts), False))
+        try:
+            peer, dtype = self._connect(lent, experts, digests, source)
+            try:
+                info, read = self.store.info, 0
+                views = layer_views(peer, lent.rows, info, dtype, lent.w2_offset)
+                if views is None:  # every access a transfer: the whole rows, then cut
+                    (a, b), (c, d) = row_shapes(info)
+                    w13, w2 = torch.empty(len(experts), a, b, dtype=dtype), torch.empty(
+                        len(experts), c, d, dtype=dtype)
+                    for i, at in enumerate(lent.expert_rows):
+                        peer.read(at * w13[i].nbytes, w13[i])
+                        peer.read(lent.w2_offset + at * w2[i].nbytes, w2[i])
+                    read, rows = w13.nbytes + w2.nbytes, list(range(len(experts)))
+                else:
+                    (w13, w2), rows = views, lent.expert_rows
+                cut = [part_rows(w13[r:r + 1], w2[r:r + 1], part)
+                       for r, part in zip(rows, cuts)]
+                return (torch.cat([c[0] for c in cut]).to(self.store.dtype),
+                        torch.cat([c[1] for c in cut]).to(self.store.dtype), read)
+            finally:
+                self._pool.submit(peer.close)
+        finally:
+            self._pool.submit(self._release, source, kept, lent.lease)
+
+    def _connect(self, lent: WeightsRegion, experts: list[int], digests: dict[int, str],
+                 source: str) -> tuple[ibgda.RemoteRegion, torch.dtype]:
+        """The lent region, connected, and its dtype, once it is known to hold ``experts``
+        with ``digests``."""
         theirs = dict(zip(lent.experts, lent.digests))
         differ = [e for e in experts if theirs.get(e) != digests[e]]
         if differ or lent.experts != list(experts):
@@ -212,7 +248,11 @@ class FabricReader:
         dtype = DTYPES_BY_NAME.get(lent.dtype)
         if dtype is None:
             raise ControlError("bad_field", f"{source} lends weights of dtype {lent.dtype!r}")
-        peer = self.store.transport.connect(handle)
+        return self.store.transport.connect(handle), dtype
+
+    def _fill_from(self, lent: WeightsRegion, base: LayerExperts | None, experts: list[int],
+                   digests: dict[int, str], num_experts: int, source: str) -> Fill:
+        peer, dtype = self._connect(lent, experts, digests, source)
         info = self.store.info
         size = max([num_experts, *(e + 1 for e in experts)])
         if (self.mode == "map" and base is None and dtype == self.store.dtype):

@@ -56,11 +56,13 @@ class HeldExperts:
         self.part_layers: Mapping[int, LayerExperts] = load_parts(model_path, info,
                                                                   holdings.parts, self.dtype)
         self.counters: collections.Counter[str] = collections.Counter()
-        self._swaps: dict[int, LayerExperts | None] = {}  # applied by the loop between batches
+        # applied by the loop between batches: (layer, False whole experts | True parts) -> rows
+        self._swaps: dict[tuple[int, bool], LayerExperts | None] = {}
         self._swapped = threading.Condition()
         self._looping = False  # a serving loop applies the swaps (else a swap applies at once)
         self._retiring_lock = threading.Lock()
         self.retiring: dict[int, dict[int, float]] = {}  # layer -> expert -> last request at
+        self.retiring_parts: dict[int, float] = {}  # layer -> last request of its parts at
 
     def weight_bytes(self) -> int:
         return weight_bytes(self.layers) + weight_bytes(self.part_layers)
@@ -79,14 +81,16 @@ class HeldExperts:
         self.counters[counter] += n
 
     # -- weights: staged by a change, applied by the serving loop -----------------------------
-    def swap_layer(self, layer: int, experts: LayerExperts | None) -> None:
+    def swap_layer(self, layer: int, experts: LayerExperts | None, parts: bool = False) -> None:
         """Serve ``layer`` with ``experts`` (None: no rows left) from the serving loop's next
-        pass on, between two batches. Returns once swapped."""
+        pass on, between two batches (``parts``: its parts, ``part_layers``). Returns once
+        swapped."""
+        key = (layer, parts)
         with self._swapped:
-            self._swaps[layer] = experts
+            self._swaps[key] = experts
             if not self._looping:
                 self._apply()
-            elif not self._swapped.wait_for(lambda: layer not in self._swaps,
+            elif not self._swapped.wait_for(lambda: key not in self._swaps,
                                             timeout=SWAP_TIMEOUT):
                 raise ControlError("busy", f"the serving loop did not take MoE layer {layer}'s "
                                    f"new experts within {SWAP_TIMEOUT:.0f}s")
@@ -106,13 +110,14 @@ class HeldExperts:
 
     def _apply(self) -> None:
         """Under ``_swapped``: the staged layers replace the served ones (a new dict)."""
-        layers = dict(self.layers)
-        for layer, experts in self._swaps.items():
+        layers, part_layers = dict(self.layers), dict(self.part_layers)
+        for (layer, parts), experts in self._swaps.items():
+            into = part_layers if parts else layers
             if experts is None:
-                layers.pop(layer, None)
+                into.pop(layer, None)
             else:
-                layers[layer] = experts
-        self.layers, self._swaps = layers, {}
+                into[layer] = experts
+        self.layers, self.part_layers, self._swaps = layers, part_layers, {}
         self._swapped.notify_all()
 
     # -- what the server says it holds ---------------------------------------------------------
@@ -122,6 +127,12 @@ class HeldExperts:
         adapter experts, added to those described): to joining clients, in ``stats``, and to
         the monitor (whose clients then change their tables)."""
         self.holdings = self.holdings.with_layer(layer, experts, adapters)
+        self._announce(self.holdings)
+
+    def say_parts(self, layer: int, parts: int, ids: list[int]) -> None:
+        """Say that the server holds the parts ``ids`` of ``parts``-part slices in ``layer``
+        (none: no parts there), as ``say_held`` says its experts."""
+        self.holdings = self.holdings.with_parts(layer, parts, ids)
         self._announce(self.holdings)
 
     def learn_digests(self, digests: Mapping[int, str]) -> None:
@@ -154,9 +165,25 @@ class HeldExperts:
                 del self.retiring[layer][e]
         return back
 
-    def used(self, layer: int, ids: torch.Tensor) -> None:
-        """The serving loop saw a request of ``layer`` with ``ids``: a retiring expert among
-        them is not quiet yet."""
+    def retire_parts(self, layer: int) -> None:
+        with self._retiring_lock:
+            self.retiring_parts[layer] = time.monotonic()
+
+    def keep_parts(self, layer: int) -> bool:
+        """Whether ``layer``'s parts were retiring (their rows still loaded): not any more."""
+        with self._retiring_lock:
+            return self.retiring_parts.pop(layer, None) is not None
+
+    def used(self, layer: int, ids: torch.Tensor, parts: int = 1) -> None:
+        """The serving loop saw a request of ``layer`` with ``ids`` (routed in ``parts``
+        parts): a retiring expert among them, or the layer's retiring parts, is not quiet
+        yet."""
+        if parts > 1:
+            if layer in self.retiring_parts:
+                with self._retiring_lock:
+                    if layer in self.retiring_parts:
+                        self.retiring_parts[layer] = time.monotonic()
+            return
         retiring = self.retiring.get(layer)
         if retiring:
             present = set(torch.unique(ids).tolist())
@@ -179,3 +206,18 @@ class HeldExperts:
                     del self.retiring[layer][e]
             self.retiring = {k: v for k, v in self.retiring.items() if v}
             return quiet, not self.retiring
+
+    def retiring_count(self) -> int:
+        """Dropped experts, and layers of parts, whose rows are still held."""
+        with self._retiring_lock:
+            return sum(map(len, self.retiring.values())) + len(self.retiring_parts)
+
+    def quiet_parts(self, grace: float) -> tuple[list[int], bool]:
+        """The layers whose retiring parts no request used for ``grace`` seconds, no longer
+        retiring (their rows are the caller's to free); and whether none is left retiring."""
+        with self._retiring_lock:
+            now = time.monotonic()
+            quiet = [layer for layer, at in self.retiring_parts.items() if now - at >= grace]
+            for layer in quiet:
+                del self.retiring_parts[layer]
+            return quiet, not self.retiring_parts

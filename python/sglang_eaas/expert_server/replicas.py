@@ -10,6 +10,10 @@
 * **Drop**: the server says at once that it no longer holds them (clients stop sending them at
   their next step), keeps answering for them while requests still come, and frees their rows
   once none came for ``grace`` seconds.
+* **Parts** (``add_parts``, ``drop_parts``; tensor parallelism, docs/switching.md): the same
+  for a layer's parts of experts. An added part is cut from the server's own whole rows of its
+  expert, else from a holder's over the weight fabric (mapped: only the part's bytes copied),
+  else read from the checkpoint; a drop takes all of a layer's parts.
 """
 
 from __future__ import annotations
@@ -26,13 +30,14 @@ import torch
 from ibgda import TransportError
 from sglang_eaas.esft.adapter import AdapterError, load_adapter
 from sglang_eaas.expert_server.experts import (
-    LayerExperts, load_experts, with_experts, without_experts,
+    LayerExperts, index_of, load_experts, load_parts, with_experts, without_experts,
 )
 from sglang_eaas.expert_server.fabric import FabricReader
-from sglang_eaas.holdings import AdapterExpert
+from sglang_eaas.expert_server.slices import Part, part_rows
+from sglang_eaas.holdings import AdapterExpert, HeldParts, ServerHoldings
 from sglang_eaas.protocol.control import (
-    WEIGHT_CHUNK, WEIGHT_TENSORS, AddExperts, DropExperts, ExpertWeights, HoldingsChange, Stats,
-    WeightsChunk, call,
+    WEIGHT_CHUNK, WEIGHT_TENSORS, AddExperts, AddParts, DropExperts, DropParts, ExpertWeights,
+    HoldingsChange, PartsChange, Stats, WeightsChunk, call,
 )
 from sglang_eaas.protocol.lines import Channel, ControlError
 from sglang_eaas.protocol.slot import DTYPE_NAMES, DTYPES_BY_NAME
@@ -210,6 +215,125 @@ class Replicas:
         w13, w2 = from_disk()
         return with_experts(base, experts, w13, w2, num_experts, held.store), [], list(experts)
 
+    # -- parts ------------------------------------------------------------------------------
+    def add_parts(self, request: AddParts) -> PartsChange:
+        held, layer, parts, info = self.held, request.layer, request.parts, self.held.info
+        self._check_layer(layer, [])
+        try:
+            Part(0, parts).check(info.moe_intermediate_size)
+            wanted = HeldParts(parts, tuple(sorted(request.ids)))
+            ServerHoldings({}, parts={layer: wanted})  # one part of an expert at most
+        except ValueError as exc:
+            raise ControlError("bad_field", str(exc)) from None
+        far = [i for i in request.ids if i >= info.num_experts * parts]
+        if far:
+            raise ControlError("bad_field", f"routed part ids {far} do not exist: the model has "
+                               f"{info.num_experts} experts, so {parts}-part ids end at "
+                               f"{info.num_experts * parts - 1}")
+        with self._change:
+            current = held.holdings.parts.get(layer)
+            retiring = held.part_layers.get(layer) if held.keep_parts(layer) else None
+            base = held.part_layers.get(layer) if current is not None else retiring
+            if base is not None and base.parts != parts:
+                raise ControlError("parts_mismatch", (
+                    f"expert server {self.server.address} holds {base.parts}-part slices of MoE "
+                    f"layer {layer}; drop them before it holds {parts}-part ones"))
+            have = [] if base is None else sorted(_routed(base))
+            new = [i for i in wanted.ids if i not in set(have)]
+            clash = sorted({i for i in have} & {e * parts + p for e in {j // parts for j in new}
+                                                  for p in range(parts)})
+            if clash:
+                raise ControlError("bad_field", f"MoE layer {layer}: parts {clash} of those "
+                                   f"experts are held already (one part of an expert at most)")
+            origin: dict[str, list[int]] = {"self": [], "peer": [], "disk": []}
+            ids = have + new
+            if new:
+                w13, w2, origin = self._cut_parts(layer, parts, new, request.sources)
+                rows = [] if base is None else base.local_index[torch.tensor(have)]
+                made = LayerExperts(
+                    torch.cat([base.w13[rows], w13]) if base is not None else w13,
+                    torch.cat([base.w2[rows], w2]) if base is not None else w2,
+                    index_of(ids, info.num_experts * parts), None, parts)
+                held.swap_layer(layer, made, parts=True)
+            held.say_parts(layer, parts, sorted(ids))
+            held.count("parts_added", len(new))
+            logger.info("MoE layer %d: now holding %d parts of %d-part slices too (%d cut from "
+                        "its own rows, %d from peers, %d from disk)", layer, len(new), parts,
+                        len(origin["self"]), len(origin["peer"]), len(origin["disk"]))
+            return PartsChange(parts, sorted(ids), origin["self"], origin["peer"],
+                               origin["disk"])
+
+    def _cut_parts(self, layer: int, parts: int, ids: list[int],
+                   sources: dict[str, list[int]]
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[int]]]:
+        """Rows of the routed part ids ``ids``, in that order, and where each came from:
+        ``self`` (cut from this server's whole rows), ``peer`` (a holder in ``sources``, over
+        the weight fabric), ``disk`` (the checkpoint)."""
+        held, cut = self.held, {}
+        origin: dict[str, list[int]] = {"self": [], "peer": [], "disk": []}
+        whole = held.layers.get(layer)
+        mine = set(held.holdings.get(layer, ())) | set(held.retiring.get(layer, {}))
+        for i in ids:
+            e = i // parts
+            if whole is not None and e in mine and e < whole.local_index.numel():
+                row = int(whole.local_index[e])
+                cut[i] = part_rows(whole.w13[row:row + 1], whole.w2[row:row + 1],
+                                   Part(i % parts, parts))
+                origin["self"].append(i)
+        for source, experts in sources.items():
+            wanted = [i for i in ids if i not in cut and i // parts in set(experts)]
+            if not wanted or not self.fabric.enabled:
+                continue
+            try:
+                experts_of = [i // parts for i in wanted]
+                w13, w2, read = self.fabric.read_parts(
+                    source, layer, experts_of, held.digests_of(experts_of),
+                    [Part(i % parts, parts) for i in wanted])
+            except (TransportError, ControlError, ValueError) as exc:
+                held.count("fabric_fallbacks")
+                logger.warning("MoE layer %d: could not read parts of experts %s from %s over "
+                               "the weight fabric (%s); reading them from disk", layer,
+                               sorted({i // parts for i in wanted}), source, exc)
+                continue
+            held.count("fabric_bytes_read", read)
+            for n, i in enumerate(wanted):
+                cut[i] = (w13[n:n + 1], w2[n:n + 1])
+                origin["peer"].append(i)
+        rest = [i for i in ids if i not in cut]
+        if rest:
+            loaded = load_parts(held.model_path, held.info, {layer: HeldParts(parts, rest)},
+                                held.dtype)[layer]
+            for i in rest:
+                row = int(loaded.local_index[i])
+                cut[i] = (loaded.w13[row:row + 1], loaded.w2[row:row + 1])
+            origin["disk"] = rest
+        return (torch.cat([cut[i][0].to(held.dtype) for i in ids]),
+                torch.cat([cut[i][1].to(held.dtype) for i in ids]), origin)
+
+    def drop_parts(self, request: DropParts) -> PartsChange:
+        s, held, layer = self.server, self.held, request.layer
+        self._check_layer(layer, [])
+        if s.tier is None:
+            raise ControlError("drop_needs_monitor", (
+                f"expert server {s.address} has no monitor, so its clients would not learn "
+                "that it stops holding these parts; start it with --monitor"))
+        with self._change:
+            current = held.holdings.parts.get(layer)
+            if current is None:
+                raise ControlError("drop_not_held", f"expert server {s.address} holds no parts "
+                                   f"of MoE layer {layer}")
+            if not request.force:
+                s.tier.check_covered(held.holdings.with_parts(layer, current.parts, []),
+                                     "drop_uncovered", "drop with force")
+            held.say_parts(layer, current.parts, [])
+            held.retire_parts(layer)
+            self._start_retirer(request.grace)
+            held.count("parts_dropped", len(current.ids))
+            logger.info("MoE layer %d: no longer holding its %d parts of %d-part slices (their "
+                        "weights go once no request used them for %gs)", layer,
+                        len(current.ids), current.parts, request.grace)
+            return PartsChange(current.parts, [])
+
     # -- drop -------------------------------------------------------------------------------
     def drop(self, request: DropExperts) -> HoldingsChange:
         s, held = self.server, self.held
@@ -227,22 +351,27 @@ class Replicas:
                     f"expert server {s.address} does not hold experts {unknown} of MoE layer "
                     f"{layer} (it holds {sorted(advertised)})"))
             if not request.force:
-                s.tier.check_covered({layer: request.experts}, "drop_uncovered",
-                                     "drop with force")
+                s.tier.check_covered(held.holdings.with_layer(
+                    layer, sorted(advertised - set(request.experts))), "drop_uncovered",
+                    "drop with force")
             held.say_held(layer, sorted(advertised - set(request.experts)))
             held.retire(layer, request.experts)
-            if self._retirer is None or not self._retirer.is_alive():
-                self._retirer = threading.Thread(target=self._retire, args=(request.grace,),
-                                                 name="eaas-retire", daemon=True)
-                self._retirer.start()
+            self._start_retirer(request.grace)
             held.count("replicas_dropped", len(request.experts))
             logger.info("MoE layer %d: no longer holding experts %s (their weights go once no "
                         "request used them for %gs)", layer, sorted(request.experts),
                         request.grace)
             return HoldingsChange(list(held.holdings.get(layer, ())))
 
+    def _start_retirer(self, grace: float) -> None:
+        if self._retirer is None or not self._retirer.is_alive():
+            self._retirer = threading.Thread(target=self._retire, args=(grace,),
+                                             name="eaas-retire", daemon=True)
+            self._retirer.start()
+
     def _retire(self, grace: float) -> None:
-        """Free the rows of every retiring expert that went quiet for ``grace`` seconds."""
+        """Free the rows of every retiring expert (and layer of parts) that went quiet for
+        ``grace`` seconds."""
         held = self.held
         while True:
             time.sleep(RETIRE_POLL)
@@ -251,7 +380,11 @@ class Replicas:
                 for layer, ids in quiet.items():
                     held.swap_layer(layer, without_experts(held.layers[layer], ids, held.store))
                     logger.info("MoE layer %d: freed the weights of experts %s", layer, ids)
-            if done:
+                quiet_parts, done_parts = held.quiet_parts(grace)
+                for layer in quiet_parts:
+                    held.swap_layer(layer, None, parts=True)
+                    logger.info("MoE layer %d: freed the weights of its parts", layer)
+            if done and done_parts:
                 return
 
     def _check_layer(self, layer: int, experts: list[int], physical: bool = False) -> None:
@@ -264,6 +397,11 @@ class Replicas:
         if bad:
             raise ControlError("bad_field", f"experts {bad} do not exist: the model has "
                                f"{info.num_experts}")
+
+
+def _routed(layer: LayerExperts) -> list[int]:
+    """The routed ids ``layer``'s rows are mapped under."""
+    return torch.nonzero(layer.local_index >= 0).flatten().tolist()
 
 
 # -- a peer's weights -----------------------------------------------------------------------

@@ -231,7 +231,7 @@ class ExpertServer:
             slots=len(self._active), expert_load=self.expert_load.per_expert(),
             control_refused=control["control_refused"],
             refused_connections=control["refused_connections"],
-            counters={**self.stats, **held.counters},
+            counters={**self.stats, **held.counters, "retiring": held.retiring_count()},
             **({} if self.tier is None else self.tier.counters()))
 
     def load(self) -> dict[str, Any]:
@@ -307,7 +307,7 @@ class ExpertServer:
                         local = local_experts(layer, ids)
                     except ValueError as exc:
                         raise HeaderError(RejectReason.FOREIGN_EXPERT, str(exc)) from None
-                    self.held.used(header.layer_id, ids)
+                    self.held.used(header.layer_id, ids, header.parts)
                     ready.append(_Ready(index, slot, header, hidden, local, weights))
                 except HeaderError as exc:
                     self.stats[f"rejected_{exc.reason.name.lower()}"] += 1

@@ -16,13 +16,15 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ibgda import TransportError
+from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.membership import connect
 from sglang_eaas.membership.presence import Presence
 from sglang_eaas.protocol.lines import ControlError
 from sglang_eaas.protocol.monitor import CLIENT, DRAINING, SERVER, SERVING, Member
+from sglang_eaas.routing_table import unroutable
 
 if TYPE_CHECKING:
     from sglang_eaas.expert_server.server import ExpertServer
@@ -81,27 +83,33 @@ class ServerTier:
         if self.draining:
             return
         if not force:
-            self.check_covered(self.server.held.holdings, "drain_uncovered", "drain with force")
+            self.check_covered(ServerHoldings({}), "drain_uncovered", "drain with force")
         self.draining = True
         self.presence.set_status(DRAINING)
         logger.info("draining: clients stop sending here at their next step")
         threading.Thread(target=self._finish_drain, args=(timeout,), name="eaas-drain",
                          daemon=True).start()
 
-    def check_covered(self, leaving: Mapping[int, Sequence[int]], reason: str,
-                      forced: str) -> None:
-        """``ControlError(reason)`` unless another live server holds each of ``leaving``'s
-        experts (per MoE layer); ``forced`` names the way to do it anyway."""
+    def check_covered(self, after: ServerHoldings, reason: str, forced: str) -> None:
+        """``ControlError(reason)`` unless the live tier, with this server holding ``after``
+        instead, still computes every expert it computes now (whole, or every part of it; an
+        ESFT adapter expert: held by another server); ``forced`` names the way to do it
+        anyway."""
         probe = connect(self.url, self.token)
         try:
             snapshot = probe.watch(-1, 0.0)
         finally:
             probe.close()
         me = self.server
+        base, layers = me.info.num_experts, list(me.info.moe_layers)
         others = snapshot.holdings(me.info.fingerprint()).without(me.address)
-        for layer, experts in leaving.items():
+        now = unroutable(others.with_server(me.address, me.held.holdings), layers, base)
+        later = unroutable(others.with_server(me.address, after), layers, base)
+        for layer in layers:
+            alone = sorted(later.get(layer, set()) - now.get(layer, set()))
             held = others.holders(layer)
-            alone = [e for e in experts if e not in held]
+            alone += [e for e in me.held.holdings.get(layer, ())
+                      if e >= base and e not in after.get(layer, ()) and e not in held]
             if alone:
                 raise ControlError(reason, (
                     f"expert server {me.address} is the last live holder of experts {alone} in "

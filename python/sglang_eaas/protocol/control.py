@@ -13,6 +13,10 @@ that names its op and its reply's record:
                                        them (docs/protocol.md, "Replicas")
     DropExperts ("drop_experts")    -> HoldingsChange: stop holding them; their weights go once
                                        no request uses them
+    AddParts ("add_parts")          -> PartsChange: hold parts of experts too (tensor
+                                       parallelism, docs/switching.md), served before said
+    DropParts ("drop_parts")        -> PartsChange: stop holding a layer's parts; they go
+                                       once no request uses them
     ExportWeights ("export_weights") -> WeightsRegion: where a peer reads experts' weights
                                        one-sidedly over the weight fabric (a lease)
     ReleaseWeights ("release_weights") -> Done: the peer has read them (the lease ends)
@@ -256,6 +260,68 @@ class DropExperts(Request):
             raise ControlError("bad_field", f"grace must be 0-600 seconds, got {self.grace}")
 
 
+@dataclass(frozen=True)
+class PartsChange(Message):
+    """What an add or drop of parts did: the layer's cut and the routed part ids the server
+    holds there afterwards, and where the added parts were cut from (routed ids)."""
+
+    parts: int
+    ids: list[int]
+    from_self: list[int] = field(default_factory=list)  # its own whole rows
+    from_peer: list[int] = field(default_factory=list)  # a holder's, over the weight fabric
+    from_disk: list[int] = field(default_factory=list)  # the checkpoint
+
+
+@dataclass(frozen=True)
+class AddParts(Request):
+    """Hold the parts ``ids`` (routed ids ``e * parts + p``: part ``p`` of ``parts`` of expert
+    ``e``) of MoE ``layer`` too, for tensor parallelism (docs/switching.md). Each part is cut
+    from this server's own whole rows of its expert where it holds them, else from the rows of
+    a holder in ``sources`` (control address -> the experts to read there) over the weight
+    fabric, else read from the checkpoint. Served before the server says it holds them. A
+    layer holds parts of one cut at a time."""
+
+    layer: int
+    parts: int
+    ids: list[int]
+    sources: dict = field(default_factory=dict)  # control address -> [expert ids]
+
+    op = "add_parts"
+    reply = PartsChange
+
+    def validate(self) -> None:
+        _check_experts(self.layer, self.ids)
+        if type(self.parts) is not int or self.parts < 2:
+            raise ControlError("bad_field", f"parts is the number of slices an expert is cut "
+                               f"into, at least 2, got {shown(self.parts)}")
+        if not isinstance(self.sources, dict) or not all(
+                isinstance(a, str) and isinstance(ids, list)
+                and all(type(e) is int and e >= 0 for e in ids)
+                for a, ids in self.sources.items()):
+            raise ControlError("bad_field", f"sources maps holders' control addresses to the "
+                               f"expert ids to read there, got {shown(self.sources)}")
+
+
+@dataclass(frozen=True)
+class DropParts(Request):
+    """Stop holding every part of MoE ``layer``: said at once (clients stop sending them at
+    their next step), still answered until none came for ``grace`` seconds, then freed.
+    Refused (``drop_uncovered``) where the layer would lose an expert, unless ``force``."""
+
+    layer: int
+    force: bool = False
+    grace: float = 2.0
+
+    op = "drop_parts"
+    reply = PartsChange
+
+    def validate(self) -> None:
+        if type(self.layer) is not int or self.layer < 0:
+            raise ControlError("bad_field", f"layer is a MoE layer >= 0, got {shown(self.layer)}")
+        if not 0 <= self.grace <= 600:
+            raise ControlError("bad_field", f"grace must be 0-600 seconds, got {self.grace}")
+
+
 WEIGHT_TENSORS = ("w13", "w2")  # LayerExperts' rows: gate and up stacked, then down
 WEIGHT_CHUNK = 384 << 10  # raw bytes per chunk: base64 keeps a reply under MAX_LINE
 
@@ -337,7 +403,8 @@ class ReleaseWeights(Request):
     reply = Done
 
 
-REQUESTS = (JoinRequest, Ready, Stats, ReleaseSlots, Drain, AddExperts, DropExperts,
+REQUESTS = (JoinRequest, Ready, Stats, ReleaseSlots, Drain, AddExperts, DropExperts, AddParts,
+            DropParts,
             ExportWeights, ReleaseWeights, ExpertWeights)
 OPS = tuple(r.op for r in REQUESTS)
 
