@@ -14,7 +14,9 @@ setup(
     ext_modules=[Extension("ibgda._host_atomics", ["ibgda/csrc/host_atomics.c"],
                            extra_compile_args=["-std=c11", "-O2"])],
     # The CPU runtime's stand-in packages are plain folders put on sys.path, not subpackages.
-    package_data={"sglang_eaas.cpu_runtime": ["shims/*/*.py"], "ibgda": ["csrc/device/*"]},
+    # layout_cost.json: the EP/TP cost model fitted by scripts/bench_switch.py (--eaas-layout auto)
+    package_data={"sglang_eaas.cpu_runtime": ["shims/*/*.py"], "ibgda": ["csrc/device/*"],
+                  "sglang_eaas.elastic": ["layout_cost.json"]},
     python_requires=">=3.10",
     # etcd3gw: the monitor's etcd backend (etcd's v3 HTTP gateway), imported only for etcd://.
     # ninja: torch's extension tooling builds the expert server's CPU kernel with it.

@@ -29,6 +29,7 @@ from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 from sglang_eaas.protocol.control import AddParts, DropParts, Stats, call
 from sglang_eaas.protocol.lines import Refused
+from sglang_eaas.status import render
 from sglang_eaas.tools.make_tiny_model import PRESETS
 from streams import concurrent_streams
 from tier_steps import routed_batch, wait_until
@@ -117,6 +118,9 @@ def test_every_layer_switches_ep_to_tp_and_back_while_serving(top4, tier):
         for s in servers:  # the whole experts are gone, the parts held
             held = call(s.address, Stats(), TOKEN, 10).holdings
             assert not any(held.values()) and set(held.parts) == set(layers)
+        shown = render(monitor.registry.snapshot(), monitor.address)  # python -m ...status
+        assert f"layer {layers[0]} (TP over 2 parts): 16 with 1 holder" in shown, shown
+        assert "parts: " in shown and "part 0/2 of 0-15" in shown, shown
         with pytest.raises(Refused, match=r"last live holder of experts \[0, 1, 2"):
             call(servers[0].address, DropParts(layers[0]), TOKEN, 10)  # its parts are needed
         to_ep = switcher.switch(layers, "ep", group)  # back to experts 0-7 and 8-15

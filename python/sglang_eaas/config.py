@@ -21,6 +21,7 @@ from typing import Callable
 from sglang_eaas import transports
 from sglang_eaas.addresses import AddressError, parse_address
 from sglang_eaas.elastic.autoscaler import ACTS, AutoscalePolicy, AutoscaleSettings
+from sglang_eaas.elastic.layout_policy import LAYOUT_MODES, LayoutPolicy, LayoutSettings
 from sglang_eaas.esft.adapter import AdapterError, default_max_experts, load_adapter
 from sglang_eaas.membership import HEARTBEAT, LOSS_TIMEOUT, MonitorSpec, parse_monitor
 from sglang_eaas.model_info import ModelError, MoeModelInfo
@@ -192,6 +193,7 @@ class EaasConfig:
     esft_replicas: int = 1  # servers holding each adapter expert
     spawn: LocalSpawn | None = None  # set by the launcher where it started the servers
     autoscale: AutoscaleSettings | None = None  # --eaas-autoscale
+    layout: LayoutSettings | None = None  # --eaas-layout tp|auto (None: ep, as started)
 
     def adapter_slots(self, num_experts: int) -> int:
         """Expert ids per MoE layer past the model's ``num_experts`` (0 without ESFT)."""
@@ -459,6 +461,28 @@ def add_cli_args(parser: argparse.ArgumentParser,
         "orchestrator that owns the servers to act on.",
     )
 
+    group.add_argument(
+        "--eaas-layout",
+        choices=LAYOUT_MODES,
+        default=None,
+        help="How the expert tier lays its experts out (docs/switching.md): 'ep' (default) "
+        "whole experts, each token's entry sent to one holder; 'tp' every expert cut into one "
+        "part per expert server, every entry sent to all of them (the tier is switched to it "
+        "at start, in place); 'auto' switches between the two while serving, when a cost model "
+        "fitted on this machine (scripts/bench_switch.py) predicts the other layout saves at "
+        "least --eaas-layout-margin of the MoE time per step for --eaas-layout-patience load "
+        "windows in a row, at most once per --eaas-layout-dwell. 'tp' and 'auto' need a "
+        "monitor (the embedded one counts).",
+    )
+    for flag, kind, meta, text in (
+            ("margin", float, "SHARE", "least predicted saving that switches (default 0.1)"),
+            ("patience", _count, "N", "load windows in a row that must predict it (default 2)"),
+            ("dwell", float, "SECONDS", "least time between two switches (default 30)"),
+            ("cost", Path, "FILE", "the cost model, as scripts/bench_switch.py writes it "
+             "(default: the one fitted on the project's machine, in the package)")):
+        group.add_argument(f"--eaas-layout-{flag}", type=kind, default=None, metavar=meta,
+                           help=f"With --eaas-layout auto: {text}.")
+
 
 LOCAL_ONLY = ("--eaas-kernel and --eaas-disable-shrink apply to the local expert servers this "
               "launcher starts; give servers started separately --kernel and --disable-shrink "
@@ -480,7 +504,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                          "eaas_kernel", "eaas_disable_shrink", "eaas_disable_overlap",
                          "eaas_load_dump", "eaas_load_window", "eaas_esft",
                          "eaas_esft_adapters", "eaas_esft_slots", "eaas_esft_max_experts",
-                         "eaas_esft_replicas", *AUTOSCALE_FLAGS)
+                         "eaas_esft_replicas", *AUTOSCALE_FLAGS, *LAYOUT_FLAGS)
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -531,7 +555,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                      args.eaas_load_window or LOAD_WINDOW, esft,
                      tuple(args.eaas_esft_adapters or ()), args.eaas_esft_slots,
                      args.eaas_esft_max_experts, args.eaas_esft_replicas or 1)
-    cfg = replace(cfg, autoscale=autoscale_settings(args))
+    cfg = replace(cfg, autoscale=autoscale_settings(args), layout=layout_settings(args))
     if args.eaas_placement is None and not cfg.esft_adapters:
         return cfg
     try:
@@ -552,6 +576,39 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                              f"MoE layer {layer}, more than --eaas-esft-max-experts {budget} "
                              f"allows; raise it or serve an adapter with fewer")
     return replace(cfg, placement=placement)
+
+
+LAYOUT_FLAGS = ("eaas_layout", "eaas_layout_margin", "eaas_layout_patience", "eaas_layout_dwell",
+                "eaas_layout_cost")
+
+
+def layout_settings(args: argparse.Namespace) -> LayoutSettings | None:
+    """``--eaas-layout*``; None for 'ep' (nothing to do); ``ValueError`` (one sentence) for a
+    bad value."""
+    mode = getattr(args, "eaas_layout", None) or "ep"
+    given = [f"--{n.replace('_', '-')}" for n in LAYOUT_FLAGS[1:]
+             if getattr(args, n, None) is not None]
+    if given and mode != "auto":
+        raise ValueError(f"{', '.join(given)} only apply with --eaas-layout auto")
+    if mode == "ep":
+        return None
+    optional = {name: getattr(args, f"eaas_layout_{name}")
+                for name in ("margin", "patience", "dwell")}
+    try:
+        policy = LayoutPolicy(**{k: v for k, v in optional.items() if v is not None})
+    except ValueError:
+        raise ValueError("--eaas-layout-margin must be in (0, 1) and --eaas-layout-dwell "
+                         ">= 0") from None
+    cost = None
+    if mode == "auto":
+        from sglang_eaas.elastic.layout_cost import DEFAULT_COST, LayerCost
+
+        path = args.eaas_layout_cost or DEFAULT_COST
+        try:
+            cost = LayerCost.load(path)
+        except ValueError as exc:
+            raise ValueError(f"--eaas-layout-cost: {exc}") from None
+    return LayoutSettings(mode, policy, cost)
 
 
 AUTOSCALE_FLAGS = ("eaas_autoscale", "eaas_autoscale_ttft", "eaas_autoscale_tpot",

@@ -152,9 +152,10 @@ class ServerHoldings(Mapping[int, Experts]):
         return ServerHoldings(self._layers, self.adapters, {**self.parts, layer: (parts, ids)})
 
     def model_experts(self, num_experts: int) -> "ServerHoldings":
-        """Without the ESFT adapter experts (physical ids ``>= num_experts``)."""
+        """Without the ESFT adapter experts (physical ids ``>= num_experts``); parts held are
+        kept (they are the model's experts')."""
         return ServerHoldings({layer: [e for e in ids if e < num_experts]
-                               for layer, ids in self._layers.items()})
+                               for layer, ids in self._layers.items()}, None, self.parts)
 
     def below(self, size: int) -> "ServerHoldings":
         """Only the expert ids under ``size`` (and their adapter records)."""

@@ -160,15 +160,21 @@ class RoutingTable:
         return self.layers[layer].assign(expert_ids)
 
 
-def unroutable(holdings: Holdings, moe_layers: list[int], base_experts: int
-               ) -> dict[int, set[int]]:
-    """MoE layer -> the model's experts (ids under ``base_experts``) a table of ``holdings``
-    could not compute, whole or in parts (a layer a server does not name: it holds nothing
-    there; ESFT adapter experts are left out)."""
+def lenient_table(holdings: Holdings, moe_layers: list[int], base_experts: int) -> RoutingTable:
+    """The table of ``holdings``' model experts as a tier that may be missing some would route
+    them: a layer a server does not name holds nothing of it there, ESFT adapter experts are
+    left out, an expert no server holds is ``missing`` (status, coverage checks)."""
     every = Holdings({s: ServerHoldings({layer: [e for e in held.get(layer, ()) if e < base_experts]
                                          for layer in moe_layers}, None, held.parts)
                       for s, held in holdings.items()})
-    table = RoutingTable.build(0, every, moe_layers, base_experts, allow_missing=True)
+    return RoutingTable.build(0, every, moe_layers, base_experts, allow_missing=True)
+
+
+def unroutable(holdings: Holdings, moe_layers: list[int], base_experts: int
+               ) -> dict[int, set[int]]:
+    """MoE layer -> the model's experts (ids under ``base_experts``) a table of ``holdings``
+    could not compute, whole or in parts."""
+    table = lenient_table(holdings, moe_layers, base_experts)
     return {layer: set(ids) for layer, ids in table.missing.items()}
 
 

@@ -18,6 +18,7 @@ from ibgda import TransportError
 from sglang_eaas import envs
 from sglang_eaas.membership import current_snapshot, parse_monitor
 from sglang_eaas.protocol.monitor import Member, Snapshot
+from sglang_eaas.routing_table import lenient_table
 
 
 def ranges(ids: list[int]) -> str:
@@ -41,7 +42,12 @@ def render(snapshot: Snapshot, monitor: str) -> str:
              "EXPERTS PER MOE LAYER")]
     for m in servers:
         held = "; ".join(f"{layer}: {ranges(ids)}"
-                         for layer, ids in m.holdings.model_experts(m.num_experts).items())
+                         for layer, ids in m.holdings.model_experts(m.num_experts).items()
+                         if ids or layer not in m.holdings.parts)
+        if m.holdings.parts:
+            held += ("; " if held else "") + "parts: " + "; ".join(
+                f"{layer}: {_parts(cut.parts, cut.ids)}"
+                for layer, cut in m.holdings.parts.items())
         adapters = Counter(d.adapter for by in m.holdings.adapters.values() for d in by.values())
         if adapters:
             held += "; ESFT adapter experts: " + ", ".join(
@@ -54,15 +60,23 @@ def render(snapshot: Snapshot, monitor: str) -> str:
     for fingerprint, group in sorted(_by_model(servers).items()):
         serving = snapshot.holdings(fingerprint)
         layers = sorted({layer for m in group for layer in m.holdings})
+        experts = range(max(m.num_experts for m in group))
+        table = lenient_table(serving, layers, len(experts))
         for layer in layers:
+            parts = table.parts(layer)
             count = Counter({e: len(holders)
                              for e, holders in serving.holders(layer).items()})
-            experts = range(max(m.num_experts for m in group))
+            if parts > 1:  # an expert's holders: the fewest of any of its parts'
+                routed = table.layers[layer].replicas * (table.layers[layer].table[:, 0] >= 0)
+                count = Counter({e: int(routed[e * parts:(e + 1) * parts].min())
+                                 for e in experts})
             missing = [e for e in experts if count[e] == 0]
             spread = Counter(count[e] for e in experts if count[e])
             shape = ", ".join(f"{n} with {r} holder{'s' if r > 1 else ''}"
                               for r, n in sorted(spread.items()))
-            lines.append(f"  model {fingerprint[:12]} layer {layer}: {shape or 'none'}"
+            layout = "EP" if parts == 1 else f"TP over {parts} parts"
+            lines.append(f"  model {fingerprint[:12]} layer {layer} ({layout}): "
+                         f"{shape or 'none'}"
                          + (f"; NO LIVE HOLDER for experts {ranges(missing)}" if missing else ""))
     computed = [(m, m.load.get("expert_load") or {}) for m in servers]
     if any(per_layer for _, per_layer in computed):
@@ -82,6 +96,15 @@ def render(snapshot: Snapshot, monitor: str) -> str:
         lines += [f"  {d.kind} {d.id} ({d.incarnation[:16]}): {d.why}"
                   for d in snapshot.departures[-10:]]
     return "\n".join(lines)
+
+
+def _parts(parts: int, ids: tuple[int, ...]) -> str:
+    """Routed part ids as 'part P/N of experts A-B' per part index."""
+    by_index: dict[int, list[int]] = {}
+    for i in ids:
+        by_index.setdefault(i % parts, []).append(i // parts)
+    return ", ".join(f"part {p}/{parts} of {ranges(sorted(es))}"
+                     for p, es in sorted(by_index.items()))
 
 
 def _by_model(servers: list[Member]) -> dict[str, list[Member]]:

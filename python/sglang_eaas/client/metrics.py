@@ -12,6 +12,8 @@ server's ``/metrics`` with SGLang's own. One set per attention rank (label ``ran
     sglang_eaas_table_epoch                     the routing table in use
     sglang_eaas_table_servers                   expert servers in it
     sglang_eaas_missing_experts                 (MoE layer, expert) pairs with no live holder
+    sglang_eaas_layer_parts{layer}              each MoE layer's layout as the table in use
+                                                routes it: 1 EP, P TP over P parts
     sglang_eaas_expert_tokens_total{layer, expert}  top-k entries this rank routed to each
                                                 expert, added per closed load window
                                                 (client/load_recorder.py)
@@ -88,6 +90,9 @@ class PrometheusTierMetrics(TierMetrics):
         self._imbalance = Gauge("sglang_eaas_expert_load_imbalance", "The last load window's "
                                 "max/mean entries per expert, per MoE layer",
                                 labelnames=["rank", "layer"], multiprocess_mode="livemostrecent")
+        self._parts = Gauge("sglang_eaas_layer_parts", "Each MoE layer's layout in the routing "
+                            "table in use: 1 expert parallel, P tensor parallel over P parts",
+                            labelnames=["rank", "layer"], multiprocess_mode="livemostrecent")
         self._by_server: dict[str, tuple] = {}
         self._by_expert: dict[tuple[int, int], object] = {}
 
@@ -118,6 +123,8 @@ class PrometheusTierMetrics(TierMetrics):
         self._epoch.set(view.epoch)
         self._servers.set(len(view.table.servers))
         self._missing.set(sum(len(e) for e in view.table.missing.values()))
+        for layer in view.table.layers:
+            self._parts.labels(rank=self._rank, layer=str(layer)).set(view.table.parts(layer))
 
     def load_window(self, window: "LoadWindow") -> None:
         counts = window.array()

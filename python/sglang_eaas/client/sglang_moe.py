@@ -88,11 +88,33 @@ def _load_sinks(cfg: eaas_config.EaasConfig, metrics: TierMetrics) -> list[Publi
         path = rank_path(cfg.load_dump, group.rank_in_group, group.world_size)
         sinks.append(DumpFile(path))
         logger.info("sglang-eaas: load windows of %d steps go to %s", cfg.load_window, path)
+    if cfg.layout is not None and _first_rank():
+        from sglang.srt.runtime_context import get_server_args
+
+        from sglang_eaas.client.layout_hooks import LayoutSwitcher
+
+        info = MoeModelInfo.from_model_path(get_server_args().model_path)
+        sinks.append(LayoutSwitcher(cfg.layout, cfg.monitor, info))
+        logger.info("sglang-eaas: --eaas-layout %s over the tier of monitor %s",
+                    cfg.layout.mode, cfg.monitor)
     if not sinks:
         return []
     publisher = Publisher(sinks)
     atexit.register(publisher.close)
     return [publisher]
+
+
+def _first_rank() -> bool:
+    """Whether this process is attention rank 0 (of the first data-parallel rank): the one that
+    judges the tier's layout."""
+    from sglang.srt.distributed import get_tp_group
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        dp_rank = int(getattr(get_parallel(), "attn_dp_rank", 0) or 0)
+    except (AttributeError, RuntimeError, ValueError, TypeError):
+        dp_rank = 0
+    return get_tp_group().rank_in_group == 0 and dp_rank == 0
 
 
 def current_client() -> EaasClient | None:

@@ -1,0 +1,299 @@
+"""Benchmark: one MoE layer's step time under EP and TP over batch sizes and skews (the
+crossover), the cost model fitted to it, and the switch of the whole model: its time and the
+expert servers' peak memory (docs/switching.md; issue 22).
+
+Two expert servers of the bench checkpoint (bfloat16, 4 MoE layers of 32 experts, top-4),
+registered with a monitor in this process, and a client (``EaasClient``, this process) that
+follows it:
+
+* **layer times**: for each layout (EP: experts 0-15 and 16-31; TP: part 0 and part 1 of every
+  expert, reached with the switch itself), each batch size and each routing skew (Zipf exponent
+  over the experts, hottest first: the hot experts sit on the first server, EP's worst case),
+  the median time of ``--repeat`` calls of one MoE layer, as the client sees it (dispatch, the
+  servers' work, the sum);
+* **cost model**: ``elastic/layout_cost.py``'s constants fitted to those times (least squares
+  on the relative error), its error, the predicted crossover (tokens per step from which EP is
+  faster) per skew; ``--write-default`` makes it the model ``--eaas-layout auto`` uses;
+* **switch**: the whole model EP -> TP and back, ``--switches`` times, each timed by the caller
+  from the first call to the last layer's drop freed, with each server's resident memory
+  sampled every 2 ms: the peak over the steady state, against ParaSMoE's (K+2)/K for K MoE
+  layers; the experts' rows after the round trip compared with the checkpoint's.
+
+    python scripts/bench_switch.py [--repeat 15] [--tokens 1,2,4,...] [--skews 0,1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_lib.report import ROOT, Report, default_out, git_commit, pyplot, save_figure, say  # noqa: E402,E501
+
+from sglang_eaas import envs  # noqa: E402
+from sglang_eaas.checkpoint import ModelIdentity  # noqa: E402
+from sglang_eaas.client.client import EaasClient  # noqa: E402
+from sglang_eaas.elastic.layout_cost import (  # noqa: E402
+    DEFAULT_COST, Sample, crossover_tokens, fit,
+)
+from sglang_eaas.elastic.switch import Switcher, layouts  # noqa: E402
+from sglang_eaas.launcher.local_servers import start_local_servers  # noqa: E402
+from sglang_eaas.model_info import MoeModelInfo  # noqa: E402
+from sglang_eaas.monitor.server import MonitorConfig, MonitorServer  # noqa: E402
+from sglang_eaas.placement import even_placement  # noqa: E402
+from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model  # noqa: E402
+
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SKEWS = (0.0, 1.0, 2.0)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeat", type=int, default=15,
+                   help="calls per (layout, batch, skew); the median is reported; default "
+                   "%(default)s")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)),
+                   help="batch sizes (tokens per layer call); default %(default)s")
+    p.add_argument("--skews", default=",".join(map(str, SKEWS)),
+                   help="Zipf exponents of the routing over the experts (0: even); default "
+                   "%(default)s")
+    p.add_argument("--switches", type=int, default=3,
+                   help="EP -> TP -> EP round trips of the whole model timed; default "
+                   "%(default)s")
+    p.add_argument("--write-default", action="store_true",
+                   help=f"also write the fitted model to {DEFAULT_COST.relative_to(ROOT)}, the "
+                   "one --eaas-layout auto uses by default")
+    p.add_argument("--out", type=Path, default=default_out("switch"),
+                   help="markdown report; default %(default)s")
+    p.add_argument("--cost-out", type=Path, default=ROOT / ".cache" / "bench" /
+                   "layout_cost.json", help="the fitted model; default %(default)s")
+    args = p.parse_args()
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",")]
+        args.skews = [float(s) for s in args.skews.split(",")]
+    except ValueError:
+        p.error("--tokens and --skews are comma-separated numbers")
+    if args.repeat < 3 or args.switches < 1 or min(args.tokens) < 1:
+        p.error("need --repeat >= 3, --switches >= 1 and batch sizes >= 1")
+    return args
+
+
+def routing(info: MoeModelInfo, tokens: int, skew: float, seed: int):
+    """``(x, ids, weights)``: each token's ``top_k`` distinct experts drawn with Zipf weights
+    of exponent ``skew``, expert 0 the hottest."""
+    g = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, info.num_experts + 1, dtype=torch.float64) ** skew
+    ids = torch.stack([torch.multinomial(weights, info.top_k, generator=g)
+                       for _ in range(tokens)])
+    x = torch.randn(tokens, info.hidden_size, generator=g).to(torch.bfloat16)
+    return x, ids, torch.rand(tokens, info.top_k, generator=g)
+
+
+def served(client: EaasClient, layer: int, ids: torch.Tensor) -> tuple[tuple[float, float], ...]:
+    """What each server gets of ``ids`` in ``layer`` under the client's table: (entries,
+    distinct routed ids), servers sent to only."""
+    table = client.table
+    routed = table.expand(layer, ids.numpy())
+    server_of = table.assign(layer, routed)
+    out = []
+    for index in range(len(table.servers)):
+        mine = routed[server_of == index]
+        if mine.size:
+            out.append((float(mine.size), float(len(np.unique(mine)))))
+    return tuple(out)
+
+
+def layer_times(client: EaasClient, info: MoeModelInfo, args, width: float,
+                layout: str) -> dict[tuple[int, float], tuple[float, Sample]]:
+    layer = info.moe_layers[1]
+    out = {}
+    for skew in args.skews:
+        for tokens in args.tokens:
+            x, ids, w = routing(info, tokens, skew, seed=tokens)
+            times = []
+            for _ in range(args.repeat):
+                client.begin_step()
+                began = time.perf_counter()
+                client.forward(layer, x, ids, w)
+                times.append((time.perf_counter() - began) * 1e6)
+                assert not client.end_step()
+            median = statistics.median(times)
+            out[tokens, skew] = (median, Sample(served(client, layer, ids), width, median))
+        say(f"{layout}: skew {skew:g} measured at {len(args.tokens)} batch sizes")
+    return out
+
+
+class MemorySampler(threading.Thread):
+    """Each server's resident memory every 2 ms: the peak since ``reset``."""
+
+    def __init__(self, pids: list[int]):
+        super().__init__(daemon=True)
+        self.processes = [psutil.Process(pid) for pid in pids]
+        self.peak = [0] * len(pids)
+        self.stop = threading.Event()
+
+    def now(self) -> list[int]:
+        return [p.memory_info().rss for p in self.processes]
+
+    def reset(self) -> None:
+        self.peak = self.now()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = [max(a, b) for a, b in zip(self.peak, self.now())]
+            time.sleep(0.002)
+
+
+def main() -> int:
+    args = parse_args()
+    report = Report(args.out)
+    model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
+    info = MoeModelInfo.from_model_path(model)
+    os.environ.setdefault(envs.TOKEN.name, os.urandom(16).hex())
+    token = envs.TOKEN.get()
+    monitor = MonitorServer(MonitorConfig(token=token, loss_timeout=5.0)).start()
+    log = open(ROOT / ".cache" / "logs" / "bench-switch-servers.log", "w")
+    placement = even_placement(info.num_experts, 2)
+    servers = start_local_servers(model, placement, "bfloat16", max_clients=4,
+                                  extra_args=("--monitor", monitor.address), stdout=log)
+    group = [s.address for s in servers]
+    client = None
+    try:
+        deadline = time.monotonic() + 30
+        while len(monitor.registry.snapshot().servers()) < 2:
+            if time.monotonic() > deadline:
+                print("bench: error: the expert servers did not register", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        client = EaasClient(group, info, ModelIdentity.of(model, info), torch.bfloat16,
+                            "bench-switch", monitor=monitor.address)
+        switcher = Switcher(monitor.address, token, info, say=lambda line: None)
+
+        def adopt(parts: int) -> None:
+            deadline = time.monotonic() + 30
+            while any(client.table.parts(layer) != parts for layer in info.moe_layers):
+                client.begin_step()
+                client.end_step()
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the client did not adopt the switched table")
+                time.sleep(0.01)
+
+        ep = layer_times(client, info, args, 1.0, "EP")
+        switcher.switch(list(info.moe_layers), "tp", group)
+        adopt(2)
+        tp = layer_times(client, info, args, 0.5, "TP")
+        switcher.switch(list(info.moe_layers), "ep", group)
+        adopt(1)
+
+        sampler = MemorySampler([s.process.pid for s in servers])
+        steady = sampler.now()
+        sampler.start()
+        rounds = []
+        for _ in range(args.switches):
+            sampler.reset()
+            began = time.perf_counter()
+            switcher.switch(list(info.moe_layers), "tp", group)
+            to_tp, peak_tp, tp_steady = time.perf_counter() - began, sampler.peak, sampler.now()
+            sampler.reset()
+            began = time.perf_counter()
+            switcher.switch(list(info.moe_layers), "ep", group)
+            rounds.append((to_tp, peak_tp, tp_steady, time.perf_counter() - began,
+                           sampler.peak, sampler.now()))
+        sampler.stop.set()
+        final = layouts(switcher.holdings(), info)
+    finally:
+        if client is not None:
+            client.close()
+        for server in servers:
+            server.stop()
+        monitor.close()
+        log.close()
+
+    cost = fit([s for _, s in [*ep.values(), *tp.values()]], cores=os.cpu_count() or 1,
+               fitted_by={"command": " ".join(sys.orig_argv), "commit": git_commit(),
+                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                          "model": model.name, "servers": 2})
+    args.cost_out.parent.mkdir(parents=True, exist_ok=True)
+    args.cost_out.write_text(cost.to_json() + "\n")
+    if args.write_default:
+        DEFAULT_COST.write_text(cost.to_json() + "\n")
+
+    report.add(f"Setup: bench checkpoint `{model.name}` (bfloat16, {len(info.moe_layers)} MoE "
+               f"layers, {info.num_experts} experts, top-{info.top_k}); 2 expert servers "
+               f"(EP: experts 0-15 and 16-31; TP: parts 0 and 1 of every expert), the client in "
+               f"this process; one MoE layer per call, median of {args.repeat} calls.")
+    rows = ["| tokens | skew | EP ms | TP ms | TP / EP | EP predicted | TP predicted |",
+            "|---|---|---|---|---|---|---|"]
+    for skew in args.skews:
+        for tokens in args.tokens:
+            e, t = ep[tokens, skew], tp[tokens, skew]
+            rows.append(f"| {tokens} | {skew:g} | {e[0] / 1e3:.2f} | {t[0] / 1e3:.2f} | "
+                        f"{t[0] / e[0]:.2f}x | "
+                        f"{cost.layer_us(e[1].servers, 1.0) / 1e3:.2f} | "
+                        f"{cost.layer_us(t[1].servers, 0.5) / 1e3:.2f} |")
+    report.add("Layer times (measured, and as the fitted model predicts them):\n\n"
+               + "\n".join(rows))
+    crossings = []
+    for skew in args.skews:
+        measured = next((tokens for tokens in args.tokens
+                         if ep[tokens, skew][0] <= tp[tokens, skew][0]), None)
+        predicted = crossover_tokens(cost, info.top_k, info.num_experts, 2, placement, skew)
+        crossings.append(f"| {skew:g} | {measured if measured is not None else 'none measured'}"
+                         f" | {predicted if predicted is not None else 'none'} |")
+    report.add(
+        "Fitted cost model (microseconds; `elastic/layout_cost.py`): "
+        f"client {cost.client_us:.0f}, per message {cost.message_us:.0f}, per entry "
+        f"{cost.entry_us:.2f}, per entry at whole width {cost.width_entry_us:.2f}, per active "
+        f"expert at whole width {cost.expert_us:.1f}, servers computing at once "
+        f"{cost.parallel:.2f}; relative error mean "
+        f"{cost.fitted_by['mean_relative_error']:.1%}, worst "
+        f"{cost.fitted_by['worst_relative_error']:.1%} over {cost.fitted_by['samples']} "
+        "calls.\n\nThe crossover: the fewest tokens per call from which EP is as fast as TP.\n\n"
+        "| skew | measured | predicted |\n|---|---|---|\n" + "\n".join(crossings))
+    layers = len(info.moe_layers)
+    bound = (layers + 2) / layers
+    rows = ["| round | EP -> TP s | peak / EP steady | TP -> EP s | peak / TP steady |",
+            "|---|---|---|---|---|"]
+    for i, (to_tp, peak_tp, tp_steady, to_ep, peak_ep, _) in enumerate(rounds, 1):
+        rows.append(f"| {i} | {to_tp:.2f} | "
+                    f"{max(p / s for p, s in zip(peak_tp, steady)):.2f}x | {to_ep:.2f} | "
+                    f"{max(p / s for p, s in zip(peak_ep, tp_steady)):.2f}x |")
+    report.add(
+        f"Switch of the whole model ({layers} MoE layers, one after the other; the goal: <= 1 s "
+        f"each way, peak resident memory per server within (K+2)/K = {bound:.2f}x its steady "
+        f"state). Steady resident memory per server in EP: "
+        f"{', '.join(f'{s / 2**20:.0f} MiB' for s in steady)}; in TP after the first switch: "
+        f"{', '.join(f'{s / 2**20:.0f} MiB' for s in rounds[0][2])}. Layouts at the end: "
+        f"{final}.\n\n" + "\n".join(rows))
+    plt = pyplot()
+    if plt is not None:
+        fig, axes = plt.subplots(1, len(args.skews), figsize=(4 * len(args.skews), 3.2),
+                                 squeeze=False)
+        for ax, skew in zip(axes[0], args.skews):
+            for name, times in (("EP", ep), ("TP", tp)):
+                ax.plot(args.tokens, [times[t, skew][0] / 1e3 for t in args.tokens], "o-",
+                        label=f"{name} measured")
+                width = 1.0 if name == "EP" else 0.5
+                ax.plot(args.tokens, [cost.layer_us(times[t, skew][1].servers, width) / 1e3
+                                      for t in args.tokens], "--", label=f"{name} model")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"skew {skew:g}")
+            ax.set_xlabel("tokens per layer call")
+            ax.set_ylabel("ms")
+        save_figure(fig, ROOT / "docs" / "img" / "switch.png", legend_below=4)
+        report.add("![EP and TP layer times](img/switch.png)")
+    report.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
