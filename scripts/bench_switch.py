@@ -6,16 +6,19 @@ Two expert servers of the bench checkpoint (bfloat16, 4 MoE layers of 32 experts
 registered with a monitor in this process, and a client (``EaasClient``, this process) that
 follows it:
 
-* **layer times**: for each layout (EP: experts 0-15 and 16-31; TP: part 0 and part 1 of every
-  expert, reached with the switch itself), each batch size and each routing skew (Zipf exponent
-  over the experts, hottest first: the hot experts sit on the first server, EP's worst case),
-  the median time of ``--repeat`` calls of one MoE layer, as the client sees it (dispatch, the
-  servers' work, the sum);
+* **layer times**: both layouts held at once (each server adds its part of every expert, as a
+  switch does before its drops), a client without a monitor whose table alternates between EP
+  (experts 0-15 and 16-31) and TP (parts 0 and 1 of every expert) call by call, so both
+  layouts meet the same machine at the same moments; for each batch size and routing skew
+  (Zipf exponent over the experts, hottest first: the hot experts sit on the first server,
+  EP's worst case), the median of ``--repeat`` calls of one MoE layer (after two warm-up
+  calls), as the client sees it (dispatch, the servers' work, the sum);
 * **cost model**: ``elastic/layout_cost.py``'s constants fitted to those times (least squares
   on the relative error), its error, the predicted crossover (tokens per step from which EP is
   faster) per skew; ``--write-default`` makes it the model ``--eaas-layout auto`` uses;
-* **switch**: the whole model EP -> TP and back, ``--switches`` times, each timed by the caller
-  from the first call to the last layer's drop freed, with each server's resident memory
+* **switch**: the parts dropped, the whole model EP -> TP and back with ``elastic/switch.py``,
+  ``--switches`` times, each timed by the caller from the first call to the last layer's
+  dropped rows freed, with each server's resident memory
   sampled every 2 ms: the peak over the steady state, against ParaSMoE's (K+2)/K for K MoE
   layers; the experts' rows after the round trip compared with the checkpoint's.
 
@@ -46,10 +49,13 @@ from sglang_eaas.elastic.layout_cost import (  # noqa: E402
     DEFAULT_COST, Sample, crossover_tokens, fit,
 )
 from sglang_eaas.elastic.switch import Switcher, layouts  # noqa: E402
+from sglang_eaas.holdings import Holdings, ServerHoldings  # noqa: E402
 from sglang_eaas.launcher.local_servers import start_local_servers  # noqa: E402
 from sglang_eaas.model_info import MoeModelInfo  # noqa: E402
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer  # noqa: E402
 from sglang_eaas.placement import even_placement  # noqa: E402
+from sglang_eaas.protocol.control import AddParts, DropParts, call  # noqa: E402
+from sglang_eaas.routing_table import RoutingTable  # noqa: E402
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -112,23 +118,39 @@ def served(client: EaasClient, layer: int, ids: torch.Tensor) -> tuple[tuple[flo
     return tuple(out)
 
 
-def layer_times(client: EaasClient, info: MoeModelInfo, args, width: float,
-                layout: str) -> dict[tuple[int, float], tuple[float, Sample]]:
-    layer = info.moe_layers[1]
-    out = {}
+def layer_times(client: EaasClient, info: MoeModelInfo, args
+                ) -> dict[str, dict[tuple[int, float], tuple[float, Sample]]]:
+    """Per layout, per (tokens, skew): the median time of one MoE layer's call and the sample
+    the fit takes. The servers hold both layouts; the client's table alternates between EP and
+    TP call by call (``stage``), so both see the same machine at the same moments."""
+    layer, held = info.moe_layers[1], client.table.holdings
+    tp_only = Holdings({s: ServerHoldings({lay: () for lay in h}, None, h.parts)
+                        for s, h in held.items()})
+    epoch = client.table.epoch
+    out: dict[str, dict] = {"EP": {}, "TP": {}}
     for skew in args.skews:
         for tokens in args.tokens:
             x, ids, w = routing(info, tokens, skew, seed=tokens)
-            times = []
-            for _ in range(args.repeat):
-                client.begin_step()
-                began = time.perf_counter()
-                client.forward(layer, x, ids, w)
-                times.append((time.perf_counter() - began) * 1e6)
-                assert not client.end_step()
-            median = statistics.median(times)
-            out[tokens, skew] = (median, Sample(served(client, layer, ids), width, median))
-        say(f"{layout}: skew {skew:g} measured at {len(args.tokens)} batch sizes")
+            times: dict[str, list[float]] = {"EP": [], "TP": []}
+            for rep in range(args.repeat + 2):  # the first two of each: warm-up
+                for layout, holdings in (("EP", held), ("TP", tp_only)):
+                    epoch += 1
+                    client.stage(RoutingTable.build(epoch, holdings, list(info.moe_layers),
+                                                    info.num_experts))
+                    client.begin_step()
+                    began = time.perf_counter()
+                    client.forward(layer, x, ids, w)
+                    if rep >= 2:
+                        times[layout].append((time.perf_counter() - began) * 1e6)
+                    assert not client.end_step()
+                    if rep == 0:
+                        samples = served(client, layer, ids)
+                        out[layout][tokens, skew] = (0.0, samples)
+            for layout, width in (("EP", 1.0), ("TP", 0.5)):
+                median = statistics.median(times[layout])
+                samples = out[layout][tokens, skew][1]
+                out[layout][tokens, skew] = (median, Sample(samples, width, median))
+        say(f"skew {skew:g}: EP and TP measured at {len(args.tokens)} batch sizes")
     return out
 
 
@@ -153,6 +175,18 @@ class MemorySampler(threading.Thread):
             time.sleep(0.002)
 
 
+def _phases(to_tp: list, to_ep: list) -> str:
+    """The last round's time per layer and phase, and where the added weights came from."""
+    rows = ["| layer | to | add s | monitor shows s | drop s | freed s | parts/experts added "
+            "from (own rows, peer, disk) |", "|---|---|---|---|---|---|---|"]
+    for record in [*to_tp, *to_ep]:
+        p, a = record.phases, record.added
+        rows.append(f"| {record.layer} | {record.to.upper()} | {p['add']:.3f} | "
+                    f"{p['shown']:.3f} | {p['drop']:.3f} | {p['freed']:.3f} | "
+                    f"{a['self']}, {a['peer']}, {a['disk']} |")
+    return "The last round, layer by layer:\n\n" + "\n".join(rows)
+
+
 def main() -> int:
     args = parse_args()
     report = Report(args.out)
@@ -174,25 +208,27 @@ def main() -> int:
                 print("bench: error: the expert servers did not register", file=sys.stderr)
                 return 1
             time.sleep(0.05)
+        say("both layouts held: each server adds its part of every expert of every layer")
+        for layer in info.moe_layers:
+            for p, address in enumerate(group):
+                call(address, AddParts(layer, 2, [e * 2 + p for e in range(info.num_experts)],
+                                       {group[1 - p]: placement[1 - p]}), token, 120)
         client = EaasClient(group, info, ModelIdentity.of(model, info), torch.bfloat16,
-                            "bench-switch", monitor=monitor.address)
+                            "bench-switch")  # no monitor: its tables are the bench's
+        times = layer_times(client, info, args)
+        ep, tp = times["EP"], times["TP"]
+        client.close()
+        client = None
+        for layer in info.moe_layers:
+            for address in group:
+                call(address, DropParts(layer, grace=0.0), token, 30)
         switcher = Switcher(monitor.address, token, info, say=lambda line: None)
-
-        def adopt(parts: int) -> None:
-            deadline = time.monotonic() + 30
-            while any(client.table.parts(layer) != parts for layer in info.moe_layers):
-                client.begin_step()
-                client.end_step()
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the client did not adopt the switched table")
-                time.sleep(0.01)
-
-        ep = layer_times(client, info, args, 1.0, "EP")
-        switcher.switch(list(info.moe_layers), "tp", group)
-        adopt(2)
-        tp = layer_times(client, info, args, 0.5, "TP")
-        switcher.switch(list(info.moe_layers), "ep", group)
-        adopt(1)
+        deadline = time.monotonic() + 30
+        while any(h.parts for h in switcher.holdings().values()):
+            if time.monotonic() > deadline:
+                print("bench: error: the parts were not dropped", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
 
         sampler = MemorySampler([s.process.pid for s in servers])
         steady = sampler.now()
@@ -201,13 +237,13 @@ def main() -> int:
         for _ in range(args.switches):
             sampler.reset()
             began = time.perf_counter()
-            switcher.switch(list(info.moe_layers), "tp", group)
+            tp_layers = switcher.switch(list(info.moe_layers), "tp", group)
             to_tp, peak_tp, tp_steady = time.perf_counter() - began, sampler.peak, sampler.now()
             sampler.reset()
             began = time.perf_counter()
-            switcher.switch(list(info.moe_layers), "ep", group)
+            ep_layers = switcher.switch(list(info.moe_layers), "ep", group)
             rounds.append((to_tp, peak_tp, tp_steady, time.perf_counter() - began,
-                           sampler.peak, sampler.now()))
+                           sampler.peak, sampler.now(), tp_layers, ep_layers))
         sampler.stop.set()
         final = layouts(switcher.holdings(), info)
     finally:
@@ -263,7 +299,7 @@ def main() -> int:
     bound = (layers + 2) / layers
     rows = ["| round | EP -> TP s | peak / EP steady | TP -> EP s | peak / TP steady |",
             "|---|---|---|---|---|"]
-    for i, (to_tp, peak_tp, tp_steady, to_ep, peak_ep, _) in enumerate(rounds, 1):
+    for i, (to_tp, peak_tp, tp_steady, to_ep, peak_ep, *_) in enumerate(rounds, 1):
         rows.append(f"| {i} | {to_tp:.2f} | "
                     f"{max(p / s for p, s in zip(peak_tp, steady)):.2f}x | {to_ep:.2f} | "
                     f"{max(p / s for p, s in zip(peak_ep, tp_steady)):.2f}x |")
@@ -273,7 +309,7 @@ def main() -> int:
         f"state). Steady resident memory per server in EP: "
         f"{', '.join(f'{s / 2**20:.0f} MiB' for s in steady)}; in TP after the first switch: "
         f"{', '.join(f'{s / 2**20:.0f} MiB' for s in rounds[0][2])}. Layouts at the end: "
-        f"{final}.\n\n" + "\n".join(rows))
+        f"{final}.\n\n" + "\n".join(rows) + "\n\n" + _phases(rounds[-1][6], rounds[-1][7]))
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, len(args.skews), figsize=(4 * len(args.skews), 3.2),

@@ -36,7 +36,7 @@ from sglang_eaas.protocol.control import (
 from sglang_eaas.routing_table import RoutingTable
 
 LAYOUTS = ("ep", "tp")
-SWITCH_GRACE = 0.2  # seconds a dropped layer's rows are still answered for after the last use
+SWITCH_GRACE = 0.05  # seconds a dropped layer's rows are still answered for after the last use
 CALL_TIMEOUT = 120.0  # seconds one add may take (reading from disk included)
 SHOWN_TIMEOUT = 30.0  # seconds for the monitor (or the frees) to show a change
 
@@ -55,6 +55,9 @@ class LayerSwitch:
     parts: int  # the layer's parts afterwards (1: EP)
     seconds: float
     added: dict[str, int] = field(default_factory=dict)  # self / peer / disk -> count
+    # seconds per phase: add (the servers' adds), shown (until the monitor shows them), drop,
+    # freed (until the dropped rows are freed)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def layouts(holdings: Holdings, info: MoeModelInfo) -> dict[int, int]:
@@ -95,11 +98,11 @@ class Switcher:
             current = layouts(holdings, self.info)[layer]
             if (current == 1) == (to == "ep") and (to == "ep" or current == len(servers)):
                 continue
-            began = time.perf_counter()
+            began, self._phases, self._mark = time.perf_counter(), {}, time.perf_counter()
             added = (self._to_tp(layer, servers, holdings) if to == "tp"
                      else self._to_ep(layer, servers, holdings))
             record = LayerSwitch(layer, to, len(servers) if to == "tp" else 1,
-                                 time.perf_counter() - began, added)
+                                 time.perf_counter() - began, added, self._phases)
             self.say(f"MoE layer {layer}: {to.upper()} in {record.seconds:.2f}s "
                      f"(added {added})")
             done.append(record)
@@ -120,12 +123,16 @@ class Switcher:
                             {h: list(ids) for h, ids in whole.items() if ids and h != s})
                 for p, s in enumerate(servers)}
         changes = self._each(servers, adds.get)
+        self._phase("add")
         self._wait_shown(lambda held: all(
             layer in held[s].parts and len(held[s].parts[layer].ids) == num_experts
             for s in servers), f"MoE layer {layer}'s parts")
+        self._phase("shown")
         self._each([s for s, ids in whole.items() if ids],
                    lambda s: DropExperts(layer, list(whole[s]), grace=self.grace))
+        self._phase("drop")
         self._wait_freed(layer, [s for s, ids in whole.items() if ids])
+        self._phase("freed")
         return {"self": sum(len(c.from_self) for c in changes),
                 "peer": sum(len(c.from_peer) for c in changes),
                 "disk": sum(len(c.from_disk) for c in changes)}
@@ -140,13 +147,22 @@ class Switcher:
         adds = {s: AddExperts(layer, [e for e in ids if e not in have.get(s, ())])
                 for s, ids in target.items()}
         changes = self._each(servers, lambda s: adds[s] if adds[s].experts else None)
+        self._phase("add")
         self._wait_shown(lambda held: all(set(target[s]) <= set(held[s].get(layer, ()))
                                           for s in servers), f"MoE layer {layer}'s experts")
+        self._phase("shown")
         cut = [s for s, held in holdings.items() if layer in held.parts]
         self._each(cut, lambda s: DropParts(layer, grace=self.grace))
+        self._phase("drop")
         self._wait_freed(layer, cut)
+        self._phase("freed")
         return {"self": 0, "peer": sum(len(c.from_peer) for c in changes),
                 "disk": sum(len(c.from_disk) for c in changes)}
+
+    def _phase(self, name: str) -> None:
+        now = time.perf_counter()
+        self._phases[name] = now - self._mark
+        self._mark = now
 
     def _each(self, servers: list[str], request_of: Callable) -> list:
         """``request_of(server)`` sent to each server at once (None: nothing for it); their

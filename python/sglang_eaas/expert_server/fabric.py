@@ -36,7 +36,7 @@ import torch
 import ibgda
 from ibgda import RegionHandle, TransportError
 from sglang_eaas.expert_server.experts import LayerExperts, grown
-from sglang_eaas.expert_server.slices import Part, part_rows
+from sglang_eaas.expert_server.slices import Part, cut_into
 from sglang_eaas.expert_server.weight_store import (
     WeightBacking, WeightStore, layer_views, row_shapes,
 )
@@ -201,33 +201,31 @@ class FabricReader:
                 self._forget(source, kept)
 
     def read_parts(self, source: str, layer_id: int, experts: list[int],
-                   digests: dict[int, str], cuts: list[Part]
-                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Part ``cuts[i]`` of ``experts[i]`` of ``layer_id``, cut from the whole rows the
-        holder ``source`` lends (``digests`` as ``fill``'s): ``w13 [n, 2I/P, H]``, ``w2 [n, H,
-        I/P]`` in this server's dtype, plain memory; where the holder's region is mapped here
-        only the parts' bytes are copied, else whole rows are read and cut. Also the bytes
-        read (0 when mapped). Raises as ``fill`` does."""
+                   digests: dict[int, str], cuts: list[Part], out13: torch.Tensor,
+                   out2: torch.Tensor) -> int:
+        """Part ``cuts[i]`` of ``experts[i]`` of ``layer_id`` into ``out13[i]``, ``out2[i]``
+        (``[n, 2I/P, H]``, ``[n, H, I/P]``), cut from the whole rows the holder ``source``
+        lends (``digests`` as ``fill``'s): where its region is mapped here only the parts'
+        bytes are copied, else whole rows are read and cut. Returns the bytes read (0 when
+        mapped). Raises as ``fill`` does."""
         kept, lent = self._lease(source, ExportWeights(layer_id, list(experts), False))
         try:
             peer, dtype = self._connect(lent, experts, digests, source)
             try:
-                info, read = self.store.info, 0
-                views = layer_views(peer, lent.rows, info, dtype, lent.w2_offset)
-                if views is None:  # every access a transfer: the whole rows, then cut
-                    (a, b), (c, d) = row_shapes(info)
-                    w13, w2 = torch.empty(len(experts), a, b, dtype=dtype), torch.empty(
-                        len(experts), c, d, dtype=dtype)
-                    for i, at in enumerate(lent.expert_rows):
-                        peer.read(at * w13[i].nbytes, w13[i])
-                        peer.read(lent.w2_offset + at * w2[i].nbytes, w2[i])
-                    read, rows = w13.nbytes + w2.nbytes, list(range(len(experts)))
-                else:
-                    (w13, w2), rows = views, lent.expert_rows
-                cut = [part_rows(w13[r:r + 1], w2[r:r + 1], part)
-                       for r, part in zip(rows, cuts)]
-                return (torch.cat([c[0] for c in cut]).to(self.store.dtype),
-                        torch.cat([c[1] for c in cut]).to(self.store.dtype), read)
+                views = layer_views(peer, lent.rows, self.store.info, dtype, lent.w2_offset)
+                read = 0
+                for i, (at, part) in enumerate(zip(lent.expert_rows, cuts)):
+                    if views is None:  # every access a transfer: the whole row, then cut
+                        (a, b), (c, d) = row_shapes(self.store.info)
+                        w13, w2 = torch.empty(1, a, b, dtype=dtype), torch.empty(1, c, d,
+                                                                                 dtype=dtype)
+                        peer.read(at * w13.nbytes, w13)
+                        peer.read(lent.w2_offset + at * w2.nbytes, w2)
+                        read += w13.nbytes + w2.nbytes
+                    else:
+                        w13, w2 = views[0][at:at + 1], views[1][at:at + 1]
+                    cut_into(w13, w2, part, out13[i:i + 1], out2[i:i + 1])
+                return read
             finally:
                 self._pool.submit(peer.close)
         finally:

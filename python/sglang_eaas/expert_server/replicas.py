@@ -33,7 +33,7 @@ from sglang_eaas.expert_server.experts import (
     LayerExperts, index_of, load_experts, load_parts, with_experts, without_experts,
 )
 from sglang_eaas.expert_server.fabric import FabricReader
-from sglang_eaas.expert_server.slices import Part, part_rows
+from sglang_eaas.expert_server.slices import Part, cut_into
 from sglang_eaas.holdings import AdapterExpert, HeldParts, ServerHoldings
 from sglang_eaas.protocol.control import (
     WEIGHT_CHUNK, WEIGHT_TENSORS, AddExperts, AddParts, DropExperts, DropParts, ExpertWeights,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 FETCH_TIMEOUT = 30.0  # seconds one chunk from a peer may take
-RETIRE_POLL = 0.05  # seconds between looks at which dropped experts went quiet
+RETIRE_POLL = 0.01  # seconds between looks at which dropped experts went quiet
 
 
 class Replicas:
@@ -266,49 +266,60 @@ class Replicas:
     def _cut_parts(self, layer: int, parts: int, ids: list[int],
                    sources: dict[str, list[int]]
                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[int]]]:
-        """Rows of the routed part ids ``ids``, in that order, and where each came from:
-        ``self`` (cut from this server's whole rows), ``peer`` (a holder in ``sources``, over
-        the weight fabric), ``disk`` (the checkpoint)."""
-        held, cut = self.held, {}
+        """Rows of the routed part ids ``ids``, in that order (each part's bytes copied once),
+        and where each came from: ``self`` (cut from this server's whole rows), ``peer`` (a
+        holder in ``sources``, over the weight fabric), ``disk`` (the checkpoint)."""
+        held = self.held
+        shape = Part(0, parts).info(held.info)
+        out13 = torch.empty(len(ids), 2 * shape.moe_intermediate_size, shape.hidden_size,
+                            dtype=held.dtype)
+        out2 = torch.empty(len(ids), shape.hidden_size, shape.moe_intermediate_size,
+                           dtype=held.dtype)
+        at = {i: n for n, i in enumerate(ids)}
         origin: dict[str, list[int]] = {"self": [], "peer": [], "disk": []}
         whole = held.layers.get(layer)
         mine = set(held.holdings.get(layer, ())) | set(held.retiring.get(layer, {}))
         for i in ids:
-            e = i // parts
+            e, n = i // parts, at[i]
             if whole is not None and e in mine and e < whole.local_index.numel():
                 row = int(whole.local_index[e])
-                cut[i] = part_rows(whole.w13[row:row + 1], whole.w2[row:row + 1],
-                                   Part(i % parts, parts))
+                cut_into(whole.w13[row:row + 1], whole.w2[row:row + 1], Part(i % parts, parts),
+                         out13[n:n + 1], out2[n:n + 1])
                 origin["self"].append(i)
+        done = set(origin["self"])
         for source, experts in sources.items():
-            wanted = [i for i in ids if i not in cut and i // parts in set(experts)]
+            wanted = [i for i in ids if i not in done and i // parts in set(experts)]
             if not wanted or not self.fabric.enabled:
                 continue
+            rows = torch.tensor([at[i] for i in wanted])
+            got13, got2 = out13.new_empty(len(wanted), *out13.shape[1:]), out2.new_empty(
+                len(wanted), *out2.shape[1:])
             try:
                 experts_of = [i // parts for i in wanted]
-                w13, w2, read = self.fabric.read_parts(
-                    source, layer, experts_of, held.digests_of(experts_of),
-                    [Part(i % parts, parts) for i in wanted])
+                digests = held.digests_of(experts_of)
+                read = self.fabric.read_parts(source, layer, experts_of, digests,
+                                              [Part(i % parts, parts) for i in wanted],
+                                              got13, got2)
             except (TransportError, ControlError, ValueError) as exc:
                 held.count("fabric_fallbacks")
                 logger.warning("MoE layer %d: could not read parts of experts %s from %s over "
                                "the weight fabric (%s); reading them from disk", layer,
                                sorted({i // parts for i in wanted}), source, exc)
                 continue
+            held.learn_digests(digests)
             held.count("fabric_bytes_read", read)
-            for n, i in enumerate(wanted):
-                cut[i] = (w13[n:n + 1], w2[n:n + 1])
-                origin["peer"].append(i)
-        rest = [i for i in ids if i not in cut]
+            out13[rows], out2[rows] = got13, got2
+            origin["peer"] += wanted
+            done |= set(wanted)
+        rest = [i for i in ids if i not in done]
         if rest:
             loaded = load_parts(held.model_path, held.info, {layer: HeldParts(parts, rest)},
                                 held.dtype)[layer]
-            for i in rest:
-                row = int(loaded.local_index[i])
-                cut[i] = (loaded.w13[row:row + 1], loaded.w2[row:row + 1])
+            rows = torch.tensor([at[i] for i in rest])
+            out13[rows] = loaded.w13[loaded.local_index[torch.tensor(rest)]]
+            out2[rows] = loaded.w2[loaded.local_index[torch.tensor(rest)]]
             origin["disk"] = rest
-        return (torch.cat([cut[i][0].to(held.dtype) for i in ids]),
-                torch.cat([cut[i][1].to(held.dtype) for i in ids]), origin)
+        return out13, out2, origin
 
     def drop_parts(self, request: DropParts) -> PartsChange:
         s, held, layer = self.server, self.held, request.layer

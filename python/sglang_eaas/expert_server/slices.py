@@ -62,7 +62,20 @@ def part_rows(w13: torch.Tensor, w2: torch.Tensor, part: Part
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``part`` of whole experts' rows (``w13 [n, 2I, H]``, ``w2 [n, H, I]``), as new contiguous
     tensors ``[n, 2I/P, H]`` and ``[n, H, I/P]``: gate rows then up rows, down columns."""
+    width = w2.shape[-1] // part.parts
+    out13 = w13.new_empty(w13.shape[0], 2 * width, w13.shape[2])
+    out2 = w2.new_empty(w2.shape[0], w2.shape[1], width)
+    cut_into(w13, w2, part, out13, out2)
+    return out13, out2
+
+
+def cut_into(w13: torch.Tensor, w2: torch.Tensor, part: Part, out13: torch.Tensor,
+             out2: torch.Tensor) -> None:
+    """``part`` of whole experts' rows copied into ``out13 [n, 2I/P, H]`` and ``out2 [n, H,
+    I/P]`` (any dtype: converted), one copy of only the part's bytes."""
     inter = w2.shape[-1]
     lo, hi = part.bounds(inter)
-    gate, up = w13[:, lo:hi], w13[:, inter + lo:inter + hi]
-    return torch.cat([gate, up], dim=1).contiguous(), w2[:, :, lo:hi].contiguous()
+    width = hi - lo
+    out13[:, :width].copy_(w13[:, lo:hi])
+    out13[:, width:].copy_(w13[:, inter + lo:inter + hi])
+    out2.copy_(w2[:, :, lo:hi])
