@@ -22,12 +22,20 @@ follows it:
   sampled every 2 ms: the peak over the steady state, against ParaSMoE's (K+2)/K for K MoE
   layers; the experts' rows after the round trip compared with the checkpoint's.
 
-    python scripts/bench_switch.py [--repeat 15] [--tokens 1,2,4,...] [--skews 0,1,2]
+* **rollout**: SGLang (``--eaas``, two local expert servers) serving ``--requests`` requests sent
+  at once whose output lengths are long-tailed (lognormal: many short, a few long, as in an RL
+  rollout), three times: ``--eaas-layout ep``, ``tp`` and ``auto`` (with this run's fitted model
+  and ``--dwell``); per run the time of the head (until 75% of the requests finished: many
+  sequences per step) and of the tail (the rest: few), and the switches ``auto`` made.
+  ``--no-rollout`` leaves it out.
+
+    python scripts/bench_switch.py [--repeat 41] [--tokens 1,2,4,...] [--skews 0,1,2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -64,7 +72,7 @@ SKEWS = (0.0, 1.0, 2.0)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeat", type=int, default=15,
+    p.add_argument("--repeat", type=int, default=41,
                    help="calls per (layout, batch, skew); the median is reported; default "
                    "%(default)s")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)),
@@ -75,6 +83,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--switches", type=int, default=3,
                    help="EP -> TP -> EP round trips of the whole model timed; default "
                    "%(default)s")
+    p.add_argument("--requests", type=int, default=64,
+                   help="rollout requests, sent at once; default %(default)s")
+    p.add_argument("--max-len", type=int, default=160,
+                   help="the longest rollout output (tokens); default %(default)s")
+    p.add_argument("--dwell", type=float, default=5.0,
+                   help="--eaas-layout-dwell of the auto run (seconds); default %(default)s")
+    p.add_argument("--no-rollout", action="store_true", help="skip the SGLang rollout runs")
     p.add_argument("--write-default", action="store_true",
                    help=f"also write the fitted model to {DEFAULT_COST.relative_to(ROOT)}, the "
                    "one --eaas-layout auto uses by default")
@@ -152,6 +167,75 @@ def layer_times(client: EaasClient, info: MoeModelInfo, args
                 out[layout][tokens, skew] = (median, Sample(samples, width, median))
         say(f"skew {skew:g}: EP and TP measured at {len(args.tokens)} batch sizes")
     return out
+
+
+ROLLOUT_HEAD = 0.75  # the head: until this share of the requests finished
+
+
+def rollout_lengths(requests_: int, longest: int) -> list[int]:
+    """Long-tailed output lengths (lognormal, seeded): many short, a few up to ``longest``."""
+    rng = np.random.default_rng(0)
+    return [int(v) for v in np.clip(12 * np.exp(rng.normal(0, 1, requests_)), 4, longest)]
+
+
+def rollout(model: Path, layout: str, args, cost: Path, log: Path) -> dict:
+    """One SGLang run of the rollout under ``--eaas-layout layout``: head and tail seconds,
+    failed requests, the switches logged."""
+    from sglang_eaas import cpu_runtime
+    from sglang_eaas.tools.server_process import CPU_DEVICE_ARGS, SGLangServer
+
+    flags = ["--eaas", "--eaas-expert-servers", "local:2", "--eaas-layout", layout]
+    if layout == "auto":
+        flags += ["--eaas-layout-dwell", f"{args.dwell:g}", "--eaas-layout-cost", str(cost)]
+    base = (*CPU_DEVICE_ARGS, "--max-total-tokens", "16384") if cpu_runtime.is_active() else ()
+    say(f"rollout, {layout}: starting SGLang {' '.join(flags)} (log: {log})")
+    server = SGLangServer(model, *base, *flags, log_path=log).start()
+    try:
+        if layout == "tp":
+            deadline = time.monotonic() + 120
+            while "every MoE layer is TP now" not in log.read_text(errors="replace"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the tier did not switch to TP at start")
+                time.sleep(0.2)
+        lengths = rollout_lengths(args.requests, args.max_len)
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        rng = np.random.default_rng(1)
+        prompts = [[int(t) for t in rng.integers(10, vocab, 16)] for _ in lengths]
+        finished, failed = [], []
+        began = time.perf_counter()
+
+        def one(prompt: list[int], length: int) -> None:
+            try:
+                reply = requests_post(f"{server.url}/generate", {
+                    "input_ids": prompt, "sampling_params": {
+                        "max_new_tokens": length, "temperature": 0.0, "ignore_eos": True}})
+                assert len(reply["output_ids"]) == length
+                finished.append(time.perf_counter() - began)
+            except Exception as exc:  # noqa: BLE001 (counted, the report shows it)
+                failed.append(repr(exc))
+
+        threads = [threading.Thread(target=one, args=(p, n)) for p, n in zip(prompts, lengths)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        server.stop()
+    finished.sort()
+    head = finished[int(ROLLOUT_HEAD * len(lengths)) - 1] if finished else float("nan")
+    switches = [line.split("eaas layout: ", 1)[1] for line in
+                log.read_text(errors="replace").splitlines() if "eaas layout: switching" in line]
+    return {"head": head, "tail": (finished[-1] - head) if finished else float("nan"),
+            "total": finished[-1] if finished else float("nan"), "failed": len(failed),
+            "switches": switches}
+
+
+def requests_post(url: str, body: dict) -> dict:
+    import requests
+
+    reply = requests.post(url, json=body, timeout=900)
+    reply.raise_for_status()
+    return reply.json()
 
 
 class MemorySampler(threading.Thread):
@@ -310,6 +394,28 @@ def main() -> int:
         f"{', '.join(f'{s / 2**20:.0f} MiB' for s in steady)}; in TP after the first switch: "
         f"{', '.join(f'{s / 2**20:.0f} MiB' for s in rounds[0][2])}. Layouts at the end: "
         f"{final}.\n\n" + "\n".join(rows) + "\n\n" + _phases(rounds[-1][6], rounds[-1][7]))
+    if not args.no_rollout:
+        logs = ROOT / ".cache" / "logs"
+        runs = {layout: rollout(model, layout, args, args.cost_out,
+                                logs / f"bench-switch-rollout-{layout}.log")
+                for layout in ("ep", "tp", "auto")}
+        lengths = rollout_lengths(args.requests, args.max_len)
+        best = {phase: min(runs["ep"][phase], runs["tp"][phase]) for phase in ("head", "tail")}
+        rows = ["| layout | head s | tail s | total s | auto / best fixed, head | tail | "
+                "failed | switches |", "|---|---|---|---|---|---|---|---|"]
+        for layout, run in runs.items():
+            rows.append(f"| {layout} | {run['head']:.2f} | {run['tail']:.2f} | "
+                        f"{run['total']:.2f} | {run['head'] / best['head']:.2f}x | "
+                        f"{run['tail'] / best['tail']:.2f}x | {run['failed']} | "
+                        f"{len(run['switches'])} |")
+        report.add(
+            f"Rollout: {args.requests} requests sent at once (16 prompt tokens, output lengths "
+            f"long-tailed: median {statistics.median(lengths):.0f}, longest {max(lengths)}); "
+            f"the head: until {ROLLOUT_HEAD:.0%} of them finished, the tail: the rest. Goals: "
+            "auto within 5% of the better fixed layout in each phase, and faster than both "
+            "over the run.\n\n" + "\n".join(rows)
+            + ("\n\nauto's switches: " + "; ".join(runs["auto"]["switches"])
+               if runs["auto"]["switches"] else "\n\nauto made no switch."))
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, len(args.skews), figsize=(4 * len(args.skews), 3.2),
