@@ -145,6 +145,61 @@ def test_every_layer_switches_ep_to_tp_and_back_while_serving(top4, tier):
                 assert torch.equal(w13[row], torch.cat([gate, up])) and torch.equal(w2[row], down)
 
 
+def test_a_server_killed_mid_switch_leaves_the_survivors_to_complete_it(top4):
+    """Four servers, every expert twice (A and C: 0-7, B and D: 8-15); EP -> TP with two parts,
+    every part twice (A, C: part 0; B, D: part 1). D is killed as soon as the first layer is
+    TP: the other layers switch over A, B and C, and back to EP over them; the stepping
+    client loses no row and every output stays transformers'."""
+    path, info = top4
+    monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=1.0)).start()
+    log = open_log("switch-kill-servers")
+    placement = [list(range(8)), list(range(8, 16))] * 2
+    servers = start_local_servers(path, placement, "float32", max_clients=4,
+                                  extra_args=("--monitor", monitor.address, "--heartbeat",
+                                              str(HEARTBEAT)), stdout=log)
+    a, b, c, d = servers
+    client = None
+    try:
+        wait_until(lambda: len(monitor.registry.snapshot().servers()) == 4, 15, "registration")
+        client = EaasClient([s.address for s in servers], info, ModelIdentity.of(path, info),
+                            torch.float32, "switch-kill", result_timeout=30.0,
+                            monitor=monitor.address, heartbeat=HEARTBEAT)
+        steps = Steps(client, info, hf_routed_experts(path))
+        steps.start()
+        wait_until(lambda: steps.steps >= 3, 30, "steps before the switch")
+
+        def kill_after_first(line: str) -> None:
+            if line.startswith(f"MoE layer {info.moe_layers[0]}: TP") and d.process.poll() is None:
+                d.process.kill()
+                d.process.wait()
+
+        switcher = Switcher(monitor.address, TOKEN, info, say=kill_after_first)
+        layers = list(info.moe_layers)
+        to_tp = switcher.switch(layers, "tp", [s.address for s in servers], parts=2)
+        assert [r.layer for r in to_tp] == layers and d.address in switcher._lost
+        survivors = [a.address, b.address, c.address]
+        held = switcher.holdings()
+        assert d.address not in held or not held[d.address].parts.get(layers[-1])
+        assert layouts(held, info) == {layer: 2 for layer in layers}
+        tp_steps = steps.steps
+        wait_until(lambda: steps.steps >= tp_steps + 3, 30, "steps in TP without D")
+        switcher.switch(layers, "ep", survivors)
+        assert layouts(switcher.holdings(), info) == {layer: 1 for layer in layers}
+        ep_steps = steps.steps
+        wait_until(lambda: steps.steps >= ep_steps + 3, 30, "steps in EP again")
+        steps.stop.set()
+        steps.join(30)
+        assert not steps.errors, steps.errors[:3]
+        assert not steps.failed
+    finally:
+        if client is not None:
+            client.close()
+        for server in servers:
+            server.stop()
+        monitor.close()
+        log.close()
+
+
 def test_bad_part_requests_are_refused_in_one_sentence(top4, tier):
     _, info = top4
     monitor, servers = tier
@@ -157,10 +212,12 @@ def test_bad_part_requests_are_refused_in_one_sentence(top4, tier):
         call(address, AddParts(info.moe_layers[0], 2, [0, 1]), TOKEN, 10)
     with pytest.raises(Refused, match="holds no parts of MoE layer"):
         call(address, DropParts(info.moe_layers[0]), TOKEN, 10)
-    with pytest.raises(SwitchError, match="cannot be cut over 3 servers"):
-        Switcher(monitor.address, TOKEN, info).switch(
-            [info.moe_layers[0]], "tp", [servers[0].address, servers[1].address,
-                                         servers[0].address])
+    switcher = Switcher(monitor.address, TOKEN, info)
+    group = [s.address for s in servers]
+    with pytest.raises(SwitchError, match="names a server twice"):
+        switcher.switch([info.moe_layers[0]], "tp", group + group[:1], parts=2)
+    with pytest.raises(SwitchError, match="2 to 2 parts"):
+        switcher.switch([info.moe_layers[0]], "tp", group, parts=4)
 
 
 STREAMS = ("Hello world, the quick brown fox", "def fibonacci(n):\n    if n < 2:",

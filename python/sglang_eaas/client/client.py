@@ -279,12 +279,19 @@ class EaasClient:
         TP layer: each server gets at most one part of an expert, so its entries fit ``[rows,
         K]`` as in EP)."""
         layer_id, rows = handle.layer_id, slice(chunk.start, chunk.start + handle.step)
+        table, conns = self.view.table, self.view.connections
+        if table.parts(layer_id) != handle.parts:
+            # the layer's layout changed under it (a refusal brought a newer table, or a loss):
+            # its parts' sums and whole experts' do not mix, so the chunk starts again in the
+            # new layout (its rows of ``out`` hold only its own sums; every answer sent for it
+            # has been collected or given up on)
+            handle.parts = table.parts(layer_id)
+            handle.ids = table.expand(layer_id, handle.topk_ids.cpu().numpy())
+            handle.out[rows].zero_()
+            chunk.pending = handle.ids[rows] >= 0
+        parts = handle.parts
         ids, hidden, weights = handle.ids[rows], handle.hidden[rows], handle.topk_weights[rows]
-        table, conns, parts = self.view.table, self.view.connections, handle.parts
-        if table.parts(layer_id) != parts:  # a loss changed the layer's layout mid-layer:
-            server_of = np.where(chunk.pending, NO_HOLDER, -1)  # the rest cannot be summed
-        else:
-            server_of = table.assign(layer_id, np.where(chunk.pending, ids, -1))
+        server_of = table.assign(layer_id, np.where(chunk.pending, ids, -1))
         orphans = server_of == NO_HOLDER
         if orphans.any():
             self._record_orphans(layer_id, ids // parts, orphans, handle.row_offset + chunk.start)

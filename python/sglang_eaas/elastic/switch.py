@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ibgda import TransportError
 from sglang_eaas.expert_server.slices import Part
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.membership import current_snapshot
@@ -33,12 +34,21 @@ from sglang_eaas.placement import PlacementError, even_placement
 from sglang_eaas.protocol.control import (
     AddExperts, AddParts, DropExperts, DropParts, Stats, call,
 )
+from sglang_eaas.protocol.lines import Refused
 from sglang_eaas.routing_table import RoutingTable
 
-LAYOUTS = ("ep", "tp")
+EP, TP = "ep", "tp"
+LAYOUTS = (EP, TP)
 SWITCH_GRACE = 0.05  # seconds a dropped layer's rows are still answered for after the last use
 CALL_TIMEOUT = 120.0  # seconds one add may take (reading from disk included)
 SHOWN_TIMEOUT = 30.0  # seconds for the monitor (or the frees) to show a change
+
+
+def _origins(changes: list) -> dict[str, int]:
+    """Where the added parts (or experts) came from, counted over the replies."""
+    return {"self": sum(len(getattr(c, "from_self", ())) for c in changes),
+            "peer": sum(len(c.from_peer) for c in changes),
+            "disk": sum(len(c.from_disk) for c in changes)}
 
 
 class SwitchError(RuntimeError):
@@ -73,91 +83,140 @@ class Switcher:
     def __init__(self, monitor: str, token: str, info: MoeModelInfo,
                  grace: float = SWITCH_GRACE, say: Callable[[str], None] = lambda line: None):
         self.monitor, self.token, self.info, self.grace, self.say = monitor, token, info, grace, say
+        self._lost: set[str] = set()  # servers a call could not reach: left out from then on
 
     def holdings(self) -> Holdings:
         return current_snapshot(self.monitor, self.token).holdings(self.info.fingerprint())
 
-    def switch(self, layers: list[int], to: str, group: list[str] | None = None
-               ) -> list[LayerSwitch]:
+    def switch(self, layers: list[int], to: str, group: list[str] | None = None,
+               parts: int | None = None) -> list[LayerSwitch]:
         """Switch ``layers`` to ``to`` (``ep`` or ``tp``) one after the other, over ``group``
-        (the TP group's servers, in part order; default: every serving server). A layer
-        already in that layout is left as it is."""
+        (default: every serving server). TP: ``parts`` parts per expert (default: one per
+        server of the group), server ``i`` of the group holding part ``i % parts`` (a group of
+        2P servers holds every part twice: a replica of each). EP: the experts in contiguous
+        blocks, each block on ``len(group) // parts-now`` servers (so a TP tier holding every
+        part twice gets back every expert twice). A layer already in that layout is left.
+
+        A server of the group lost mid-switch (a call fails to reach it) is left out from then
+        on: the layer completes with the survivors where they still hold every part (or take
+        the lost server's experts), else it is rolled back to its old layout and
+        ``SwitchError`` says so (the layers before it keep the new one)."""
+        self._lost = set()
         if to not in LAYOUTS:
             raise SwitchError(f"a layer switches to one of {LAYOUTS}, not {to!r}")
         unknown = sorted(set(layers) - set(self.info.moe_layers))
         if unknown:
             raise SwitchError(f"layers {unknown} are not MoE layers of the model (those are "
                               f"{list(self.info.moe_layers)})")
+        holdings = self.holdings()
+        servers = list(group or holdings.servers)
+        missing = [s for s in servers if s not in holdings]
+        if missing:
+            raise SwitchError(f"servers {missing} are not serving in the tier")
+        if len(set(servers)) != len(servers):
+            raise SwitchError(f"the group {servers} names a server twice")
+        parts = parts or len(servers)
+        if to == TP:
+            if not 2 <= parts <= len(servers):
+                raise SwitchError(f"TP cuts each expert into 2 to {len(servers)} parts (one "
+                                  f"server at least per part), not {parts}")
+            try:
+                Part(0, parts).check(self.info.moe_intermediate_size)
+            except ValueError as exc:
+                raise SwitchError(f"the experts cannot be cut into {parts} parts: "
+                                  f"{exc}") from None
         done = []
         for layer in layers:
             holdings = self.holdings()
-            servers = list(group or holdings.servers)
-            missing = [s for s in servers if s not in holdings]
-            if missing:
-                raise SwitchError(f"servers {missing} are not serving in the tier")
+            for s in servers:
+                if s not in holdings and s not in self._lost:  # the monitor lost it
+                    self._lost.add(s)
+                    self.say(f"expert server {s} is lost (no longer in the tier); the switch "
+                             "goes on without it")
+            servers = [s for s in servers if s not in self._lost]
             current = layouts(holdings, self.info)[layer]
-            if (current == 1) == (to == "ep") and (to == "ep" or current == len(servers)):
+            if (to == EP and current == 1) or (to == TP and current == parts):
                 continue
             began, self._phases, self._mark = time.perf_counter(), {}, time.perf_counter()
-            added = (self._to_tp(layer, servers, holdings) if to == "tp"
-                     else self._to_ep(layer, servers, holdings))
-            record = LayerSwitch(layer, to, len(servers) if to == "tp" else 1,
+            added = (self._to_tp(layer, servers, parts, holdings) if to == TP
+                     else self._to_ep(layer, servers, current, holdings))
+            record = LayerSwitch(layer, to, parts if to == TP else 1,
                                  time.perf_counter() - began, added, self._phases)
             self.say(f"MoE layer {layer}: {to.upper()} in {record.seconds:.2f}s "
                      f"(added {added})")
             done.append(record)
         return done
 
-    def _to_tp(self, layer: int, servers: list[str], holdings: Holdings) -> dict[str, int]:
-        parts, num_experts = len(servers), self.info.num_experts
-        try:
-            Part(0, parts).check(self.info.moe_intermediate_size)
-        except ValueError as exc:
-            raise SwitchError(f"MoE layer {layer} cannot be cut over {parts} servers: "
-                              f"{exc}") from None
-        if any(layer in holdings[s].parts for s in servers):
-            self._each(servers, lambda s: DropParts(layer, force=True, grace=0.0)
-                       if layer in holdings[s].parts else None)  # another cut: dropped first
+    def _to_tp(self, layer: int, servers: list[str], parts: int, holdings: Holdings
+               ) -> dict[str, int]:
+        num_experts = self.info.num_experts
+        cut_otherwise = [s for s in servers if layer in holdings[s].parts
+                         and holdings[s].parts[layer].parts != parts]
+        self._each(cut_otherwise, lambda s: DropParts(layer, force=True, grace=0.0))
         whole = holdings.layer(layer)
-        adds = {s: AddParts(layer, parts, [e * parts + p for e in range(num_experts)],
+        part_of = {s: i % parts for i, s in enumerate(servers)}
+        adds = {s: AddParts(layer, parts, [e * parts + part_of[s] for e in range(num_experts)],
                             {h: list(ids) for h, ids in whole.items() if ids and h != s})
-                for p, s in enumerate(servers)}
+                for s in servers}
         changes = self._each(servers, adds.get)
+        live = [s for s in servers if s not in self._lost]
+        if {part_of[s] for s in live} != set(range(parts)):
+            self._each(live, lambda s: DropParts(layer, force=True, grace=0.0))  # roll back
+            raise SwitchError(f"MoE layer {layer} stays EP: servers {sorted(self._lost)} were "
+                              f"lost while it switched, and no server left holds parts "
+                              f"{sorted(set(range(parts)) - {part_of[s] for s in live})}")
         self._phase("add")
         self._wait_shown(lambda held: all(
-            layer in held[s].parts and len(held[s].parts[layer].ids) == num_experts
-            for s in servers), f"MoE layer {layer}'s parts")
+            s not in held or (layer in held[s].parts
+                              and len(held[s].parts[layer].ids) == num_experts)
+            for s in live), f"MoE layer {layer}'s parts")
         self._phase("shown")
-        self._each([s for s, ids in whole.items() if ids],
-                   lambda s: DropExperts(layer, list(whole[s]), grace=self.grace))
+        holders = [s for s, ids in whole.items() if ids and s not in self._lost]
+        self._each(holders, lambda s: DropExperts(layer, list(whole[s]), grace=self.grace))
         self._phase("drop")
-        self._wait_freed(layer, [s for s, ids in whole.items() if ids])
+        self._wait_freed(layer, [s for s in holders if s not in self._lost])
         self._phase("freed")
-        return {"self": sum(len(c.from_self) for c in changes),
-                "peer": sum(len(c.from_peer) for c in changes),
-                "disk": sum(len(c.from_disk) for c in changes)}
+        return _origins(changes)
 
-    def _to_ep(self, layer: int, servers: list[str], holdings: Holdings) -> dict[str, int]:
+    def _to_ep(self, layer: int, servers: list[str], parts: int, holdings: Holdings
+               ) -> dict[str, int]:
+        copies = max(1, len(servers) // max(parts, 1))
         try:
-            blocks = even_placement(self.info.num_experts, len(servers))
+            blocks = even_placement(self.info.num_experts, len(servers) // copies)
         except PlacementError as exc:
             raise SwitchError(f"MoE layer {layer}: {exc}") from None
-        target = dict(zip(servers, blocks))
+        target = {s: blocks[i % len(blocks)] for i, s in enumerate(servers)}
         have = holdings.layer(layer)
-        adds = {s: AddExperts(layer, [e for e in ids if e not in have.get(s, ())])
-                for s, ids in target.items()}
-        changes = self._each(servers, lambda s: adds[s] if adds[s].experts else None)
+        changes = self._add_whole(layer, target, have)
+        live = [s for s in servers if s not in self._lost]
+        orphans = sorted(set(range(self.info.num_experts))
+                         - {e for s in live for e in target[s]})
+        if orphans and live:  # a server lost with its block: the survivors take it
+            again = {s: [e for e in orphans[i::len(live)]] for i, s in enumerate(live)}
+            changes += self._add_whole(layer, again, have)
+            for s in live:
+                target[s] = [*target[s], *again.get(s, [])]
+        live = [s for s in servers if s not in self._lost]
+        if not live or set(range(self.info.num_experts)) - {e for s in live for e in target[s]}:
+            raise SwitchError(f"MoE layer {layer} stays TP: servers {sorted(self._lost)} were "
+                              "lost while it switched and the others could not take their "
+                              "experts")
         self._phase("add")
-        self._wait_shown(lambda held: all(set(target[s]) <= set(held[s].get(layer, ()))
-                                          for s in servers), f"MoE layer {layer}'s experts")
+        self._wait_shown(lambda held: all(s not in held or set(target[s]) <= set(
+            held[s].get(layer, ())) for s in live), f"MoE layer {layer}'s experts")
         self._phase("shown")
-        cut = [s for s, held in holdings.items() if layer in held.parts]
+        cut = [s for s, held in holdings.items() if layer in held.parts and s not in self._lost]
         self._each(cut, lambda s: DropParts(layer, grace=self.grace))
         self._phase("drop")
-        self._wait_freed(layer, cut)
+        self._wait_freed(layer, [s for s in cut if s not in self._lost])
         self._phase("freed")
-        return {"self": 0, "peer": sum(len(c.from_peer) for c in changes),
-                "disk": sum(len(c.from_disk) for c in changes)}
+        return _origins(changes)
+
+    def _add_whole(self, layer: int, target: dict[str, list[int]],
+                   have: dict[str, tuple[int, ...]]) -> list:
+        adds = {s: AddExperts(layer, [e for e in ids if e not in have.get(s, ())])
+                for s, ids in target.items()}
+        return self._each(list(target), lambda s: adds[s] if adds[s].experts else None)
 
     def _phase(self, name: str) -> None:
         now = time.perf_counter()
@@ -165,9 +224,11 @@ class Switcher:
         self._mark = now
 
     def _each(self, servers: list[str], request_of: Callable) -> list:
-        """``request_of(server)`` sent to each server at once (None: nothing for it); their
-        replies. ``SwitchError`` naming the server for the first that failed."""
-        calls = {s: r for s in servers if (r := request_of(s)) is not None}
+        """``request_of(server)`` sent to each server at once (None: nothing for it); the
+        replies of those that answered. A server that cannot be reached is lost (``_lost``)
+        and left out; one that refuses raises ``SwitchError`` naming it."""
+        calls = {s: r for s in servers if s not in self._lost
+                 and (r := request_of(s)) is not None}
         with ThreadPoolExecutor(max(1, len(calls))) as pool:
             futures = {s: pool.submit(call, s, r, self.token, CALL_TIMEOUT)
                        for s, r in calls.items()}
@@ -175,8 +236,11 @@ class Switcher:
         for s, future in futures.items():
             try:
                 replies.append(future.result())
-            except Exception as exc:  # noqa: BLE001 (a control or transport error: said)
+            except Refused as exc:
                 raise SwitchError(f"expert server {s} refused {calls[s].op}: {exc}") from None
+            except TransportError as exc:
+                self._lost.add(s)
+                self.say(f"expert server {s} is lost ({exc}); the switch goes on without it")
         return replies
 
     def _wait_shown(self, shown: Callable[[Holdings], bool], what: str) -> None:
@@ -188,10 +252,18 @@ class Switcher:
 
     def _wait_freed(self, layer: int, servers: list[str]) -> None:
         """Until the servers freed what they dropped (nothing left retiring), so the next
-        layer's adds do not meet this layer's dropped rows still held."""
+        layer's adds do not meet this layer's dropped rows still held (a lost server: not
+        waited for)."""
         deadline = time.monotonic() + SHOWN_TIMEOUT
         for s in servers:
-            while call(s, Stats(), self.token, CALL_TIMEOUT).counter("retiring"):
+            while True:
+                try:
+                    if not call(s, Stats(), self.token, CALL_TIMEOUT).counter("retiring"):
+                        break
+                except TransportError as exc:
+                    self._lost.add(s)
+                    self.say(f"expert server {s} is lost ({exc}); the switch goes on without it")
+                    break
                 if time.monotonic() > deadline:
                     raise SwitchError(f"expert server {s} still holds MoE layer {layer}'s "
                                       f"dropped weights after {SHOWN_TIMEOUT:.0f}s")
