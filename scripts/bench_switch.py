@@ -53,9 +53,7 @@ from bench_lib.report import ROOT, Report, default_out, git_commit, pyplot, save
 from sglang_eaas import envs  # noqa: E402
 from sglang_eaas.checkpoint import ModelIdentity  # noqa: E402
 from sglang_eaas.client.client import EaasClient  # noqa: E402
-from sglang_eaas.elastic.layout_cost import (  # noqa: E402
-    DEFAULT_COST, Sample, crossover_tokens, fit,
-)
+from sglang_eaas.elastic.layout_cost import DEFAULT_COST, Sample, fit  # noqa: E402
 from sglang_eaas.elastic.switch import Switcher, layouts  # noqa: E402
 from sglang_eaas.holdings import Holdings, ServerHoldings  # noqa: E402
 from sglang_eaas.launcher.local_servers import start_local_servers  # noqa: E402
@@ -85,8 +83,11 @@ def parse_args() -> argparse.Namespace:
                    "%(default)s")
     p.add_argument("--requests", type=int, default=64,
                    help="rollout requests, sent at once; default %(default)s")
-    p.add_argument("--max-len", type=int, default=160,
+    p.add_argument("--max-len", type=int, default=192,
                    help="the longest rollout output (tokens); default %(default)s")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rollouts per layout (one SGLang server each; the median per phase is "
+                   "reported); default %(default)s")
     p.add_argument("--dwell", type=float, default=5.0,
                    help="--eaas-layout-dwell of the auto run (seconds); default %(default)s")
     p.add_argument("--no-rollout", action="store_true", help="skip the SGLang rollout runs")
@@ -175,7 +176,7 @@ ROLLOUT_HEAD = 0.75  # the head: until this share of the requests finished
 def rollout_lengths(requests_: int, longest: int) -> list[int]:
     """Long-tailed output lengths (lognormal, seeded): many short, a few up to ``longest``."""
     rng = np.random.default_rng(0)
-    return [int(v) for v in np.clip(12 * np.exp(rng.normal(0, 1, requests_)), 4, longest)]
+    return [int(v) for v in np.clip(24 * np.exp(rng.normal(0, 1, requests_)), 8, longest)]
 
 
 def rollout(model: Path, layout: str, args, cost: Path, log: Path) -> dict:
@@ -201,33 +202,44 @@ def rollout(model: Path, layout: str, args, cost: Path, log: Path) -> dict:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         rng = np.random.default_rng(1)
         prompts = [[int(t) for t in rng.integers(10, vocab, 16)] for _ in lengths]
-        finished, failed = [], []
-        began = time.perf_counter()
-
-        def one(prompt: list[int], length: int) -> None:
-            try:
-                reply = requests_post(f"{server.url}/generate", {
-                    "input_ids": prompt, "sampling_params": {
-                        "max_new_tokens": length, "temperature": 0.0, "ignore_eos": True}})
-                assert len(reply["output_ids"]) == length
-                finished.append(time.perf_counter() - began)
-            except Exception as exc:  # noqa: BLE001 (counted, the report shows it)
-                failed.append(repr(exc))
-
-        threads = [threading.Thread(target=one, args=(p, n)) for p, n in zip(prompts, lengths)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        rounds = [_rollout_round(server.url, prompts, lengths) for _ in range(args.rounds)]
     finally:
         server.stop()
-    finished.sort()
-    head = finished[int(ROLLOUT_HEAD * len(lengths)) - 1] if finished else float("nan")
     switches = [line.split("eaas layout: ", 1)[1] for line in
                 log.read_text(errors="replace").splitlines() if "eaas layout: switching" in line]
-    return {"head": head, "tail": (finished[-1] - head) if finished else float("nan"),
-            "total": finished[-1] if finished else float("nan"), "failed": len(failed),
-            "switches": switches}
+    return {key: statistics.median(r[key] for r in rounds)
+            for key in ("head", "tail", "total")} | {
+        "failed": sum(r["failed"] for r in rounds), "switches": switches,
+        "rounds": [round(r["total"], 2) for r in rounds]}
+
+
+def _rollout_round(url: str, prompts: list[list[int]], lengths: list[int]) -> dict:
+    """The requests sent at once; the head and tail seconds."""
+    finished, failed = [], []
+    began = time.perf_counter()
+
+    def one(prompt: list[int], length: int) -> None:
+        try:
+            reply = requests_post(f"{url}/generate", {
+                "input_ids": prompt, "sampling_params": {
+                    "max_new_tokens": length, "temperature": 0.0, "ignore_eos": True}})
+            assert len(reply["output_ids"]) == length
+            finished.append(time.perf_counter() - began)
+        except Exception as exc:  # noqa: BLE001 (counted, the report shows it)
+            failed.append(repr(exc))
+
+    threads = [threading.Thread(target=one, args=(p, n)) for p, n in zip(prompts, lengths)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    finished.sort()
+    if not finished:
+        return {"head": float("nan"), "tail": float("nan"), "total": float("nan"),
+                "failed": len(failed)}
+    head = finished[max(0, int(ROLLOUT_HEAD * len(lengths)) - 1)]
+    return {"head": head, "tail": finished[-1] - head, "total": finished[-1],
+            "failed": len(failed)}
 
 
 def requests_post(url: str, body: dict) -> dict:
@@ -364,11 +376,12 @@ def main() -> int:
                + "\n".join(rows))
     crossings = []
     for skew in args.skews:
-        measured = next((tokens for tokens in args.tokens
-                         if ep[tokens, skew][0] <= tp[tokens, skew][0]), None)
-        predicted = crossover_tokens(cost, info.top_k, info.num_experts, 2, placement, skew)
-        crossings.append(f"| {skew:g} | {measured if measured is not None else 'none measured'}"
-                         f" | {predicted if predicted is not None else 'none'} |")
+        measured = [t for t in args.tokens if tp[t, skew][0] < 0.95 * ep[t, skew][0]]
+        predicted = [t for t in args.tokens
+                     if cost.layer_us(tp[t, skew][1].servers, 0.5)
+                     < 0.95 * cost.layer_us(ep[t, skew][1].servers, 1.0)]
+        crossings.append(f"| {skew:g} | {', '.join(map(str, measured)) or 'none'} | "
+                         f"{', '.join(map(str, predicted)) or 'none'} |")
     report.add(
         "Fitted cost model (microseconds; `elastic/layout_cost.py`): "
         f"client {cost.client_us:.0f}, per message {cost.message_us:.0f}, per entry "
@@ -377,7 +390,7 @@ def main() -> int:
         f"{cost.parallel:.2f}; relative error mean "
         f"{cost.fitted_by['mean_relative_error']:.1%}, worst "
         f"{cost.fitted_by['worst_relative_error']:.1%} over {cost.fitted_by['samples']} "
-        "calls.\n\nThe crossover: the fewest tokens per call from which EP is as fast as TP.\n\n"
+        "calls.\n\nWhere TP is faster than EP by more than 5% (batch sizes):\n\n"
         "| skew | measured | predicted |\n|---|---|---|\n" + "\n".join(crossings))
     layers = len(info.moe_layers)
     bound = (layers + 2) / layers
@@ -401,17 +414,21 @@ def main() -> int:
                 for layout in ("ep", "tp", "auto")}
         lengths = rollout_lengths(args.requests, args.max_len)
         best = {phase: min(runs["ep"][phase], runs["tp"][phase]) for phase in ("head", "tail")}
-        rows = ["| layout | head s | tail s | total s | auto / best fixed, head | tail | "
-                "failed | switches |", "|---|---|---|---|---|---|---|---|"]
+        rows = ["| layout | head s | tail s | total s | / best fixed, head | tail | total "
+                "| rounds' totals s | failed | switches |", "|---" * 10 + "|"]
+        best["total"] = min(runs["ep"]["total"], runs["tp"]["total"])
         for layout, run in runs.items():
             rows.append(f"| {layout} | {run['head']:.2f} | {run['tail']:.2f} | "
                         f"{run['total']:.2f} | {run['head'] / best['head']:.2f}x | "
-                        f"{run['tail'] / best['tail']:.2f}x | {run['failed']} | "
+                        f"{run['tail'] / best['tail']:.2f}x | "
+                        f"{run['total'] / best['total']:.2f}x | "
+                        f"{', '.join(map(str, run['rounds']))} | {run['failed']} | "
                         f"{len(run['switches'])} |")
         report.add(
             f"Rollout: {args.requests} requests sent at once (16 prompt tokens, output lengths "
             f"long-tailed: median {statistics.median(lengths):.0f}, longest {max(lengths)}); "
-            f"the head: until {ROLLOUT_HEAD:.0%} of them finished, the tail: the rest. Goals: "
+            f"the head: until {ROLLOUT_HEAD:.0%} of them finished, the tail: the rest; each "
+            f"layout one SGLang server, {args.rounds} rollouts, medians. Goals: "
             "auto within 5% of the better fixed layout in each phase, and faster than both "
             "over the run.\n\n" + "\n".join(rows)
             + ("\n\nauto's switches: " + "; ".join(runs["auto"]["switches"])
