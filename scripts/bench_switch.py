@@ -350,7 +350,11 @@ def main() -> int:
         monitor.close()
         log.close()
 
-    cost = fit([s for _, s in [*ep.values(), *tp.values()]], cores=os.cpu_count() or 1,
+    samples = [s for _, s in [*ep.values(), *tp.values()]]
+    (args.cost_out.parent / "switch_samples.json").write_text(json.dumps(
+        [{"servers": s.servers, "width": s.width, "measured_us": s.measured_us}
+         for s in samples]))
+    cost = fit(samples, cores=os.cpu_count() or 1,
                fitted_by={"command": " ".join(sys.orig_argv), "commit": git_commit(),
                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                           "model": model.name, "servers": 2})
@@ -382,6 +386,8 @@ def main() -> int:
                      < 0.95 * cost.layer_us(ep[t, skew][1].servers, 1.0)]
         crossings.append(f"| {skew:g} | {', '.join(map(str, measured)) or 'none'} | "
                          f"{', '.join(map(str, predicted)) or 'none'} |")
+    picks = sum((cost.layer_us(tp[key][1].servers, 0.5) < cost.layer_us(ep[key][1].servers, 1.0))
+                == (tp[key][0] < ep[key][0]) for key in ep)
     report.add(
         "Fitted cost model (microseconds; `elastic/layout_cost.py`): "
         f"client {cost.client_us:.0f}, per message {cost.message_us:.0f}, per entry "
@@ -390,7 +396,8 @@ def main() -> int:
         f"{cost.parallel:.2f}; relative error mean "
         f"{cost.fitted_by['mean_relative_error']:.1%}, worst "
         f"{cost.fitted_by['worst_relative_error']:.1%} over {cost.fitted_by['samples']} "
-        "calls.\n\nWhere TP is faster than EP by more than 5% (batch sizes):\n\n"
+        f"calls; it picks the faster layout at {picks} of the {len(ep)} (batch, skew) points."
+        "\n\nWhere TP is faster than EP by more than 5% (batch sizes):\n\n"
         "| skew | measured | predicted |\n|---|---|---|\n" + "\n".join(crossings))
     layers = len(info.moe_layers)
     bound = (layers + 2) / layers
