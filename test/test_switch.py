@@ -30,6 +30,7 @@ from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 from sglang_eaas.protocol.control import AddParts, DropParts, Stats, call
 from sglang_eaas.protocol.lines import Refused
 from sglang_eaas.status import render
+from sglang_eaas.tools.switch import main as switch_tool
 from sglang_eaas.tools.make_tiny_model import PRESETS
 from streams import concurrent_streams
 from tier_steps import routed_batch, wait_until
@@ -252,3 +253,22 @@ def test_a_switch_during_generation_changes_no_token(top4, tier):
         assert "Traceback" not in log
     finally:
         sglang.stop()
+
+
+def test_the_switch_tool(top4, tier, capsys):
+    """``python -m sglang_eaas.tools.switch``: layer 1 to TP and back from a shell, and a bad
+    argument refused in one sentence."""
+    path, info = top4
+    monitor, servers = tier
+    base = ["--monitor", monitor.address, "--model-path", str(path), "--token", TOKEN]
+    layer = info.moe_layers[1]
+    assert switch_tool(base + ["--to", "tp", "--layers", str(layer)]) == 0
+    out = capsys.readouterr().out
+    assert f"MoE layer {layer}: TP in" in out and f"{layer}: 2" in out
+    assert switch_tool(base + ["--to", "ep", "--layers", str(layer),
+                               "--group", ",".join(s.address for s in servers)]) == 0
+    assert "switched 1 MoE layers" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        switch_tool(base + ["--to", "ep", "--parts", "2"])
+    assert exited.value.code == 2
+    assert "--parts applies with --to tp" in capsys.readouterr().err

@@ -98,6 +98,24 @@ def _read_rows(model_path: Path, info: MoeModelInfo,
                ) -> dict[int, tuple[torch.Tensor, torch.Tensor, WeightBacking | None]]:
     """Per MoE layer, rows in ``store`` holding ``rows[layer]``'s (expert, part or None for
     whole) in order, read from the checkpoint (each tensor once)."""
+    layers = {layer: store.empty(len(held)) for layer, held in rows.items()}
+    _fill_rows(model_path, info, rows, {layer: (w13, w2) for layer, (w13, w2, _) in
+                                        layers.items()})
+    return layers
+
+
+def read_experts_into(model_path: str | Path, info: MoeModelInfo, layer: int,
+                      experts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """``experts``' whole rows of ``layer`` from the checkpoint straight into ``w13 [n, 2I, H]``
+    and ``w2 [n, H, I]`` (a new version's rows: nothing staged in between)."""
+    _fill_rows(Path(model_path), info, {layer: [(e, None) for e in experts]}, {layer: (w13, w2)})
+
+
+def _fill_rows(model_path: Path, info: MoeModelInfo,
+               rows: Mapping[int, list[tuple[int, Part | None]]],
+               into: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``rows[layer]``'s (expert, part or None) read from the checkpoint into ``into[layer]``'s
+    rows, in order (each tensor read once)."""
     unknown = sorted(set(rows) - set(info.moe_layers))
     if unknown:
         raise ModelError(f"layers {unknown} are not MoE layers of {model_path} "
@@ -114,16 +132,14 @@ def _read_rows(model_path: Path, info: MoeModelInfo,
                 if name not in files:
                     raise ModelError(f"tensor {name} is missing from {model_path}")
                 wanted.setdefault(files[name], []).append((name, layer, row, projection, part))
-    layers = {layer: store.empty(len(held)) for layer, held in rows.items()}
-    inter = store.info.moe_intermediate_size  # the rows' width: I, or a part's I / P
     for file, names in wanted.items():
         with safe_open(file, "pt") as f:
             for name, layer, row, projection, part in names:
-                w13, w2, _ = layers[layer]
+                w13, w2 = into[layer]
+                inter = w2.shape[-1]  # the rows' width: I, or a part's I / P
                 dst = (w13[row, :inter], w13[row, inter:], w2[row])[projection]
                 tensor = f.get_tensor(name)  # gate, up, down (expert_tensor_names' order)
                 dst.copy_(tensor if part is None else part.of(tensor, projection))
-    return layers
 
 
 def index_of(experts: list[int], size: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 from ibgda import TransportError
 from sglang_eaas.esft.adapter import AdapterError, load_adapter
 from sglang_eaas.expert_server.experts import (
-    LayerExperts, index_of, load_experts, load_parts, with_experts, without_experts,
+    LayerExperts, grown, index_of, load_parts, read_experts_into, with_experts, without_experts,
 )
 from sglang_eaas.expert_server.fabric import FabricReader
 from sglang_eaas.expert_server.slices import Part, cut_into
@@ -78,9 +78,8 @@ class Replicas:
             if new:
                 digests = held.digests_of(new)
 
-                def disk() -> tuple[torch.Tensor, torch.Tensor]:
-                    loaded = load_experts(held.model_path, held.info, {layer: new}, held.dtype)
-                    return loaded[layer].w13, loaded[layer].w2
+                def disk(w13: torch.Tensor, w2: torch.Tensor) -> None:
+                    read_experts_into(held.model_path, held.info, layer, new, w13, w2)
 
                 made, from_peer, from_disk = self._next_version(
                     layer, new, request.source, digests, disk, held.model_path)
@@ -133,9 +132,13 @@ class Replicas:
             from_peer, from_disk = [], []
             if new:
                 bases = [wanted[p].base for p in new]
+                def disk(w13: torch.Tensor, w2: torch.Tensor) -> None:
+                    loaded13, loaded2 = adapter.load_weights(info, layer, bases, held.dtype)
+                    w13.copy_(loaded13)
+                    w2.copy_(loaded2)
+
                 made, from_peer, from_disk = self._next_version(
-                    layer, new, request.source, {p: wanted[p].digest for p in new},
-                    lambda: adapter.load_weights(info, layer, bases, held.dtype),
+                    layer, new, request.source, {p: wanted[p].digest for p in new}, disk,
                     request.adapter_path, adapter=True)
                 held.swap_layer(layer, made)
             held.adapter_from(request.adapter, request.adapter_path)
@@ -181,13 +184,14 @@ class Replicas:
 
     def _next_version(self, layer: int, experts: list[int], source: str,
                       digests: dict[int, str],
-                      from_disk: Callable[[], tuple[torch.Tensor, torch.Tensor]], disk: str,
+                      from_disk: Callable[[torch.Tensor, torch.Tensor], None], disk: str,
                       adapter: bool = False) -> tuple[LayerExperts, list[int], list[int]]:
         """``layer``'s next version: what it holds, then ``experts`` (``adapter``: adapter
         experts by physical id), from the peer ``source`` (``digests``: this server's digest of
         each, the peer's must match) over the weight fabric, else over its control endpoint,
-        else ``from_disk()`` (``w13 [n, 2I, H]``, ``w2 [n, H, I]``, reading ``disk``). Also
-        which experts came from the peer and which from disk."""
+        else ``from_disk(w13, w2)``, which reads ``disk`` into the new version's rows (``w13
+        [n, 2I, H]``, ``w2 [n, H, I]``). Also which experts came from the peer and which from
+        disk."""
         held = self.held
         base, num_experts = held.layers.get(layer), held.info.num_experts
         if source and self.fabric.enabled:
@@ -212,8 +216,9 @@ class Replicas:
                 held.count("replica_fetch_fallbacks")
                 logger.warning("MoE layer %d: could not read experts %s from %s (%s); reading "
                                "them from %s", layer, experts, source, exc, disk)
-        w13, w2 = from_disk()
-        return with_experts(base, experts, w13, w2, num_experts, held.store), [], list(experts)
+        made, new13, new2 = grown(base, experts, num_experts, held.store)
+        from_disk(new13, new2)
+        return made, [], list(experts)
 
     # -- parts ------------------------------------------------------------------------------
     def add_parts(self, request: AddParts) -> PartsChange:
