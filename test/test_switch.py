@@ -12,9 +12,11 @@ streams decoding while every layer switches, token for token as without a switch
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
+import requests
 import torch
 from safetensors import safe_open
 
@@ -22,6 +24,7 @@ from conftest import model_path, open_log, start_server
 from hf_reference import assert_matches_hf, hf_routed_experts
 from sglang_eaas.checkpoint import ModelIdentity, tensor_files
 from sglang_eaas.client.client import EaasClient
+from sglang_eaas.elastic.layout_cost import LayerCost
 from sglang_eaas.elastic.switch import Switcher, SwitchError, layouts
 from sglang_eaas.expert_server.replicas import fetch_from_peer
 from sglang_eaas.launcher.local_servers import start_local_servers
@@ -230,29 +233,48 @@ STREAM_TOKENS = 64
 
 @pytest.mark.slow
 @pytest.mark.cpu_only  # SGLang through the CPU runtime
-def test_a_switch_during_generation_changes_no_token(top4, tier):
-    """SGLang (float32) decoding eight streams: every layer
-    switched EP -> TP while they decode, then back; not one token differs from the same
-    streams without a switch, and no request fails."""
+def test_a_switch_during_generation_changes_no_token(top4, tier, tmp_path):
+    """SGLang (float32) with ``--eaas-layout auto`` and a cost model under which TP wins as soon
+    as the servers' loads differ: the policy switches every layer to TP by itself (as soon as
+    SGLang's warm-up request or the first eight streams give it load windows; logged with its
+    reason, counted in ``/metrics``), once (the dwell). Then the
+    same streams in TP, with every layer switched back to EP while they decode, and to TP
+    again: not one token differs from the first run, and no request fails."""
     path, info = top4
     monitor, servers = tier
-    sglang = start_server(path, "--eaas", "--eaas-monitor", monitor.address,
+    cost = tmp_path / "tp-wins.json"  # no per-message or per-entry cost, servers in parallel
+    cost.write_text(LayerCost(0.0, 0.0, 0.0, 10.0, 10.0, parallel=100.0).to_json())
+    sglang = start_server(path, "--eaas", "--eaas-monitor", monitor.address, "--enable-metrics",
+                          "--eaas-layout", "auto", "--eaas-layout-cost", str(cost),
+                          "--eaas-layout-margin", "0.01", "--eaas-layout-patience", "1",
+                          "--eaas-layout-dwell", "3600", "--eaas-load-window", "4",
                           name="switch-sglang")
     switcher = Switcher(monitor.address, TOKEN, info)
     layers, group = list(info.moe_layers), [s.address for s in servers]
+    tp = {layer: 2 for layer in layers}
     try:
-        assert layouts(switcher.holdings(), info) == {layer: 1 for layer in layers}
-        baseline = concurrent_streams(sglang.url, STREAMS, STREAM_TOKENS)
-        assert concurrent_streams(sglang.url, STREAMS, STREAM_TOKENS,
-                                  lambda: switcher.switch(layers, "tp", group)) == baseline
-        assert layouts(switcher.holdings(), info) == {layer: 2 for layer in layers}
-        assert concurrent_streams(sglang.url, STREAMS, STREAM_TOKENS,
-                                  lambda: switcher.switch(layers, "ep", group)) == baseline
-        assert layouts(switcher.holdings(), info) == {layer: 1 for layer in layers}
+        first = concurrent_streams(sglang.url, STREAMS, STREAM_TOKENS)  # the policy switches
+        wait_until(lambda: "every MoE layer is TP now" in sglang.log_path.read_text(), 60,
+                   "the policy's switch to TP")
+        assert layouts(switcher.holdings(), info) == tp
         log = sglang.log_path.read_text()
-        assert "Traceback" not in log
+        assert re.search(r"eaas layout: switching every MoE layer to TP: [\d.]+ tokens per "
+                         r"step: TP predicted .* less, margin 1%", log), log[-3000:]
+        assert concurrent_streams(sglang.url, STREAMS, STREAM_TOKENS) == first
+        metrics = requests.get(f"{sglang.url}/metrics", timeout=30).text
+        assert re.search(r'^sglang_eaas_layout_switches_total\{to="tp"\} 1\.0$', metrics,
+                         re.M), metrics
+        assert re.search(r'^sglang_eaas_layer_parts\{[^}]*\} 2\.0$', metrics, re.M)
+        assert concurrent_streams(sglang.url, STREAMS, STREAM_TOKENS,
+                                  lambda: switcher.switch(layers, "ep", group)) == first
+        assert concurrent_streams(sglang.url, STREAMS, STREAM_TOKENS,
+                                  lambda: switcher.switch(layers, "tp", group)) == first
+        assert layouts(switcher.holdings(), info) == tp
+        assert sglang.log_path.read_text().count("eaas layout: switching") == 1  # the dwell
+        assert "Traceback" not in sglang.log_path.read_text()
     finally:
         sglang.stop()
+        switcher.switch(layers, "ep", group)  # as the module's tier began
 
 
 def test_the_switch_tool(top4, tier, capsys):
