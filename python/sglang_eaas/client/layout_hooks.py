@@ -22,14 +22,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
 from sglang_eaas import envs
 from sglang_eaas.balance.load import LoadWindow
 from sglang_eaas.elastic.layout_policy import EP, TP, LayoutChooser, LayoutSettings
-from sglang_eaas.elastic.switch import Switcher, SwitchError, layouts
+from sglang_eaas.elastic.switch import Switcher, SwitchError
 from sglang_eaas.expert_server.slices import Part
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import PlacementError, even_placement
+from sglang_eaas.routing_table import RoutingTable
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT = 120.0  # seconds ``tp`` waits for the tier's servers before giving up
@@ -38,8 +40,12 @@ START_TIMEOUT = 120.0  # seconds ``tp`` waits for the tier's servers before givi
 class LayoutSwitcher:
     """Rank 0's layout decisions and the switches they make."""
 
-    def __init__(self, settings: LayoutSettings, monitor: str, info: MoeModelInfo):
-        self.settings, self.info = settings, info
+    def __init__(self, settings: LayoutSettings, monitor: str, info: MoeModelInfo,
+                 table: Callable[[], RoutingTable | None]):
+        """``table``: the routing table this rank's client uses now (None before it joined):
+        what the policy judges, read in this process rather than asked of the monitor every
+        window."""
+        self.settings, self.info, self.table = settings, info, table
         self.switcher = Switcher(monitor, envs.TOKEN.get(), info, say=logger.info)
         self.metrics = _Metrics.create()
         self.chooser: LayoutChooser | None = None
@@ -54,11 +60,7 @@ class LayoutSwitcher:
         """A load window (the sinks' thread): judged, and a due switch started."""
         if self.settings.mode != "auto" or self._switching.locked():
             return
-        try:
-            chooser = self._chooser()
-        except (OSError, RuntimeError, ValueError) as exc:  # the monitor is away: next window
-            logger.debug("eaas layout: no tier to judge: %s", exc)
-            return
+        chooser = self._chooser()
         if chooser is None:
             return
         decision = chooser.window(window)
@@ -73,13 +75,16 @@ class LayoutSwitcher:
                          name="eaas-layout", daemon=True).start()
 
     def _chooser(self) -> LayoutChooser | None:
-        """The policy over the tier as it is now (a new one where the servers changed)."""
-        holdings = self.switcher.holdings()
-        group = tuple(holdings.servers)
+        """The policy over the tier as the client's table has it (a new one where the servers
+        changed)."""
+        table = self.table()
+        if table is None:
+            return None
+        holdings, group = table.holdings, tuple(table.servers)
         if len(group) < 2 or not self._can_cut(len(group)):
             return None
         if self.chooser is None or group != self._group:
-            current = TP if any(p > 1 for p in layouts(holdings, self.info).values()) else EP
+            current = TP if table.layouts else EP
             first = self.info.moe_layers[0]
             placement = ([list(holdings[s].get(first, ())) for s in group] if current == EP
                          else even_placement(self.info.num_experts, len(group)))

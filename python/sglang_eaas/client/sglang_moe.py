@@ -94,7 +94,8 @@ def _load_sinks(cfg: eaas_config.EaasConfig, metrics: TierMetrics) -> list[Publi
         from sglang_eaas.client.layout_hooks import LayoutSwitcher
 
         info = MoeModelInfo.from_model_path(get_server_args().model_path)
-        sinks.append(LayoutSwitcher(cfg.layout, cfg.monitor, info))
+        sinks.append(LayoutSwitcher(cfg.layout, cfg.monitor, info,
+                                    lambda: None if _client is None else _client.table))
         logger.info("sglang-eaas: --eaas-layout %s over the tier of monitor %s",
                     cfg.layout.mode, cfg.monitor)
     if not sinks:
