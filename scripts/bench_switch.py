@@ -22,11 +22,13 @@ follows it:
   sampled every 2 ms: the peak over the steady state, against ParaSMoE's (K+2)/K for K MoE
   layers; the experts' rows after the round trip compared with the checkpoint's.
 
-* **rollout**: SGLang (``--eaas``, two local expert servers) serving ``--requests`` requests sent
-  at once whose output lengths are long-tailed (lognormal: many short, a few long, as in an RL
-  rollout), three times: ``--eaas-layout ep``, ``tp`` and ``auto`` (with this run's fitted model
-  and ``--dwell``); per run the time of the head (until 75% of the requests finished: many
-  sequences per step) and of the tail (the rest: few), and the switches ``auto`` made.
+* **rollout**: ``--requests`` requests sent at once whose output lengths are long-tailed
+  (lognormal: many short, a few long, as in an RL rollout), served by three SGLang servers
+  (``--eaas``, two local expert servers each), ``--eaas-layout ep``, ``tp`` and ``auto`` (with
+  this run's fitted model and ``--dwell``), all up at once and taking ``--rounds`` rounds in
+  turn (so a drift of the machine's speed meets all three alike); per layout the median time
+  of the head (until 75% of the requests finished: many sequences per step) and of the tail
+  (the rest: few), and the switches ``auto`` made.
   ``--no-rollout`` leaves it out.
 
     python scripts/bench_switch.py [--repeat 41] [--tokens 1,2,4,...] [--skews 0,1,2]
@@ -179,38 +181,55 @@ def rollout_lengths(requests_: int, longest: int) -> list[int]:
     return [int(v) for v in np.clip(24 * np.exp(rng.normal(0, 1, requests_)), 8, longest)]
 
 
-def rollout(model: Path, layout: str, args, cost: Path, log: Path) -> dict:
-    """One SGLang run of the rollout under ``--eaas-layout layout``: head and tail seconds,
-    failed requests, the switches logged."""
+def rollouts(model: Path, args, cost: Path, logs: Path) -> dict[str, dict]:
+    """The rollout on three SGLang servers, one per ``--eaas-layout`` (each with its own two
+    local expert servers), started before any round and idle but for their own rounds; the
+    rounds go ep, tp, auto, ep, ... so that a drift of this machine's speed meets all three
+    alike. Per layout: the median head, tail and total seconds, failed requests, the switches
+    logged, each round's total."""
     from sglang_eaas import cpu_runtime
     from sglang_eaas.tools.server_process import CPU_DEVICE_ARGS, SGLangServer
 
-    flags = ["--eaas", "--eaas-expert-servers", "local:2", "--eaas-layout", layout]
-    if layout == "auto":
-        flags += ["--eaas-layout-dwell", f"{args.dwell:g}", "--eaas-layout-cost", str(cost)]
     base = (*CPU_DEVICE_ARGS, "--max-total-tokens", "16384") if cpu_runtime.is_active() else ()
-    say(f"rollout, {layout}: starting SGLang {' '.join(flags)} (log: {log})")
-    server = SGLangServer(model, *base, *flags, log_path=log).start()
+    servers: dict[str, SGLangServer] = {}
     try:
-        if layout == "tp":
-            deadline = time.monotonic() + 120
-            while "every MoE layer is TP now" not in log.read_text(errors="replace"):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the tier did not switch to TP at start")
-                time.sleep(0.2)
+        for layout in ("ep", "tp", "auto"):
+            flags = ["--eaas", "--eaas-expert-servers", "local:2", "--eaas-layout", layout]
+            if layout == "auto":
+                flags += ["--eaas-layout-dwell", f"{args.dwell:g}", "--eaas-layout-cost",
+                          str(cost)]
+            log = logs / f"bench-switch-rollout-{layout}.log"
+            say(f"rollout, {layout}: starting SGLang {' '.join(flags)} (log: {log})")
+            servers[layout] = SGLangServer(model, *base, *flags, log_path=log).start()
+        deadline = time.monotonic() + 120
+        while "every MoE layer is TP now" not in servers["tp"].log_path.read_text(
+                errors="replace"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the tp tier did not switch to TP at start")
+            time.sleep(0.2)
         lengths = rollout_lengths(args.requests, args.max_len)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         rng = np.random.default_rng(1)
         prompts = [[int(t) for t in rng.integers(10, vocab, 16)] for _ in lengths]
-        rounds = [_rollout_round(server.url, prompts, lengths) for _ in range(args.rounds)]
+        rounds: dict[str, list[dict]] = {layout: [] for layout in servers}
+        for i in range(args.rounds):
+            for layout, server in servers.items():
+                rounds[layout].append(_rollout_round(server.url, prompts, lengths))
+            say(f"rollout round {i + 1}: " + ", ".join(
+                f"{layout} {r[-1]['total']:.2f} s" for layout, r in rounds.items()))
     finally:
-        server.stop()
-    switches = [line.split("eaas layout: ", 1)[1] for line in
-                log.read_text(errors="replace").splitlines() if "eaas layout: switching" in line]
-    return {key: statistics.median(r[key] for r in rounds)
-            for key in ("head", "tail", "total")} | {
-        "failed": sum(r["failed"] for r in rounds), "switches": switches,
-        "rounds": [round(r["total"], 2) for r in rounds]}
+        for server in servers.values():
+            server.stop()
+    out = {}
+    for layout, done in rounds.items():
+        text = servers[layout].log_path.read_text(errors="replace")
+        out[layout] = {key: statistics.median(r[key] for r in done)
+                       for key in ("head", "tail", "total")} | {
+            "failed": sum(r["failed"] for r in done),
+            "switches": [line.split("eaas layout: ", 1)[1] for line in text.splitlines()
+                         if "eaas layout: switching" in line],
+            "rounds": [round(r["total"], 2) for r in done]}
+    return out
 
 
 def _rollout_round(url: str, prompts: list[list[int]], lengths: list[int]) -> dict:
@@ -416,9 +435,7 @@ def main() -> int:
         f"{final}.\n\n" + "\n".join(rows) + "\n\n" + _phases(rounds[-1][6], rounds[-1][7]))
     if not args.no_rollout:
         logs = ROOT / ".cache" / "logs"
-        runs = {layout: rollout(model, layout, args, args.cost_out,
-                                logs / f"bench-switch-rollout-{layout}.log")
-                for layout in ("ep", "tp", "auto")}
+        runs = rollouts(model, args, args.cost_out, logs)
         lengths = rollout_lengths(args.requests, args.max_len)
         best = {phase: min(runs["ep"][phase], runs["tp"][phase]) for phase in ("head", "tail")}
         rows = ["| layout | head s | tail s | total s | / best fixed, head | tail | total "
@@ -434,8 +451,9 @@ def main() -> int:
         report.add(
             f"Rollout: {args.requests} requests sent at once (16 prompt tokens, output lengths "
             f"long-tailed: median {statistics.median(lengths):.0f}, longest {max(lengths)}); "
-            f"the head: until {ROLLOUT_HEAD:.0%} of them finished, the tail: the rest; each "
-            f"layout one SGLang server, {args.rounds} rollouts, medians. Goals: "
+            f"the head: until {ROLLOUT_HEAD:.0%} of them finished, the tail: the rest; one "
+            f"SGLang server per layout, all three up at once, {args.rounds} rounds going ep, "
+            "tp, auto in turn, medians. Goals: "
             "auto within 5% of the better fixed layout in each phase, and faster than both "
             "over the run.\n\n" + "\n".join(rows)
             + ("\n\nauto's switches: " + "; ".join(runs["auto"]["switches"])
