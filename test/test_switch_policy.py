@@ -138,3 +138,28 @@ def test_a_cost_file_is_read_back_and_a_bad_one_refused(tmp_path):
         LayerCost.load(path)
     with pytest.raises(ValueError, match="layout policy out of range"):
         LayoutPolicy(margin=0.0)
+
+
+def test_the_layout_flags_are_checked_in_one_sentence(tmp_path):
+    from argparse import Namespace
+
+    from sglang_eaas.config import layout_settings
+
+    def flags(**given):
+        values = {"eaas_layout": None, "eaas_layout_margin": None, "eaas_layout_patience": None,
+                  "eaas_layout_dwell": None, "eaas_layout_cost": None}
+        return Namespace(**{**values, **given})
+
+    assert layout_settings(flags()) is None and layout_settings(flags(eaas_layout="ep")) is None
+    assert layout_settings(flags(eaas_layout="tp")).mode == "tp"
+    auto = layout_settings(flags(eaas_layout="auto", eaas_layout_dwell=5.0))
+    assert auto.policy.dwell == 5.0 and auto.cost.fitted_by["command"].startswith(
+        "python scripts/bench_switch.py")  # the packaged fit, and who made it
+    with pytest.raises(ValueError, match="only apply with --eaas-layout auto"):
+        layout_settings(flags(eaas_layout="tp", eaas_layout_margin=0.2))
+    with pytest.raises(ValueError, match="--eaas-layout-margin must be in"):
+        layout_settings(flags(eaas_layout="auto", eaas_layout_margin=1.5))
+    bad = tmp_path / "cost.json"
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match="--eaas-layout-cost: .* is not a layer cost model"):
+        layout_settings(flags(eaas_layout="auto", eaas_layout_cost=bad))
