@@ -29,6 +29,7 @@ import urllib.request
 from typing import Any, Callable
 
 from sglang_eaas import envs
+from sglang_eaas.client.metrics import metrics_enabled
 from sglang_eaas.elastic.autoscaler import Autoscaler, Decision, TierBusy
 from sglang_eaas.elastic.tier_busy import TierBusySampler
 from sglang_eaas.membership import current_snapshot
@@ -111,14 +112,7 @@ class _Metrics:
 
     @classmethod
     def create(cls) -> "_Metrics | None":
-        try:
-            from sglang.srt.runtime_context import get_observability
-
-            if not get_observability().enable_metrics:
-                return None
-        except (ImportError, AttributeError):
-            return None
-        return cls()
+        return cls() if metrics_enabled() else None
 
     def __init__(self):
         from prometheus_client import Counter, Gauge

@@ -26,6 +26,7 @@ from typing import Callable
 
 from sglang_eaas import envs
 from sglang_eaas.balance.load import LoadWindow
+from sglang_eaas.client.metrics import metrics_enabled
 from sglang_eaas.elastic.layout_policy import EP, TP, LayoutChooser, LayoutSettings
 from sglang_eaas.elastic.switch import Switcher, SwitchError
 from sglang_eaas.expert_server.slices import Part
@@ -142,14 +143,7 @@ class _Metrics:
 
     @classmethod
     def create(cls) -> "_Metrics | None":
-        try:
-            from sglang.srt.runtime_context import get_observability
-
-            if not get_observability().enable_metrics:
-                return None
-        except (ImportError, AttributeError):
-            return None
-        return cls()
+        return cls() if metrics_enabled() else None
 
     def __init__(self):
         from prometheus_client import Counter, Gauge

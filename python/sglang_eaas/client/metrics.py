@@ -33,6 +33,17 @@ if TYPE_CHECKING:
     from sglang_eaas.client.tier import View
 
 
+def metrics_enabled() -> bool:
+    """Whether this SGLang process serves ``/metrics`` (``--enable-metrics``); False outside
+    SGLang."""
+    try:
+        from sglang.srt.runtime_context import get_observability
+
+        return bool(get_observability().enable_metrics)
+    except (ImportError, AttributeError):
+        return False
+
+
 class TierMetrics:
     """No metrics (``--enable-metrics`` off, or outside SGLang): every call does nothing."""
 
