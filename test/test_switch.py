@@ -204,6 +204,25 @@ def test_a_server_killed_mid_switch_leaves_the_survivors_to_complete_it(top4):
         log.close()
 
 
+def test_parts_added_back_while_retiring_are_reused_and_another_cut_replaces_them(top4, tier):
+    _, info = top4
+    monitor, servers = tier
+    address, layer = servers[0].address, info.moe_layers[2]
+    two = [e * 2 for e in range(8)]  # part 0 of 2 of experts 0-7 (held whole here too)
+    assert call(address, AddParts(layer, 2, two), TOKEN, 10).from_self == two
+    call(address, DropParts(layer, grace=30.0), TOKEN, 10)  # retiring for 30 s
+    again = call(address, AddParts(layer, 2, two[:4]), TOKEN, 10)
+    assert again.ids == two[:4] and not (again.from_self or again.from_peer or again.from_disk)
+    call(address, DropParts(layer, grace=30.0), TOKEN, 10)
+    four = call(address, AddParts(layer, 4, [e * 4 + 1 for e in range(8)]), TOKEN, 10)
+    assert four.parts == 4 and len(four.from_self) == 8  # the 2-part rows replaced
+    with pytest.raises(Refused, match="holds 4-part slices of MoE layer"):
+        call(address, AddParts(layer, 2, two), TOKEN, 10)
+    call(address, DropParts(layer, grace=0.0), TOKEN, 10)
+    wait_until(lambda: not call(address, Stats(), TOKEN, 10).counter("retiring"), 10,
+               "the parts freed")
+
+
 def test_bad_part_requests_are_refused_in_one_sentence(top4, tier):
     _, info = top4
     monitor, servers = tier

@@ -150,6 +150,11 @@ class Switcher:
     def _to_tp(self, layer: int, servers: list[str], parts: int, holdings: Holdings
                ) -> dict[str, int]:
         num_experts = self.info.num_experts
+        adapters = sorted({e for s in holdings for e in holdings[s].get(layer, ())
+                           if e >= num_experts})
+        if adapters:
+            raise SwitchError(f"MoE layer {layer} stays EP: the servers hold ESFT adapter "
+                              f"experts there ({adapters}), which are routed whole only")
         cut_otherwise = [s for s in servers if layer in holdings[s].parts
                          and holdings[s].parts[layer].parts != parts]
         self._each(cut_otherwise, lambda s: DropParts(layer, force=True, grace=0.0))

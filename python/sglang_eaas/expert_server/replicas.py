@@ -236,28 +236,33 @@ class Replicas:
                                f"{info.num_experts} experts, so {parts}-part ids end at "
                                f"{info.num_experts * parts - 1}")
         with self._change:
-            current = held.holdings.parts.get(layer)
-            retiring = held.part_layers.get(layer) if held.keep_parts(layer) else None
-            base = held.part_layers.get(layer) if current is not None else retiring
-            if base is not None and base.parts != parts:
-                raise ControlError("parts_mismatch", (
-                    f"expert server {self.server.address} holds {base.parts}-part slices of MoE "
-                    f"layer {layer}; drop them before it holds {parts}-part ones"))
-            have = [] if base is None else sorted(_routed(base))
+            current, base = held.holdings.parts.get(layer), held.part_layers.get(layer)
+            if current is None and base is not None:  # dropped, still retiring: reused
+                held.keep_parts(layer)
+                have = ([i for i in _routed(base) if i in set(wanted.ids)]
+                        if base.parts == parts else [])
+            elif base is not None:
+                if base.parts != parts:
+                    raise ControlError("parts_mismatch", (
+                        f"expert server {self.server.address} holds {base.parts}-part slices "
+                        f"of MoE layer {layer}; drop them before it holds {parts}-part ones"))
+                have = sorted(_routed(base))
+            else:
+                have = []
             new = [i for i in wanted.ids if i not in set(have)]
-            clash = sorted({i for i in have} & {e * parts + p for e in {j // parts for j in new}
-                                                  for p in range(parts)})
+            clash = sorted(set(have) & {e * parts + p for e in {j // parts for j in new}
+                                        for p in range(parts)})
             if clash:
                 raise ControlError("bad_field", f"MoE layer {layer}: parts {clash} of those "
                                    f"experts are held already (one part of an expert at most)")
             origin: dict[str, list[int]] = {"self": [], "peer": [], "disk": []}
             ids = have + new
-            if new:
+            if base is None or new or len(have) != len(_routed(base)):
                 w13, w2, origin = self._cut_parts(layer, parts, new, request.sources)
-                rows = [] if base is None else base.local_index[torch.tensor(have)]
+                rows = base.local_index[torch.tensor(have, dtype=torch.long)] if have else None
                 made = LayerExperts(
-                    torch.cat([base.w13[rows], w13]) if base is not None else w13,
-                    torch.cat([base.w2[rows], w2]) if base is not None else w2,
+                    torch.cat([base.w13[rows], w13]) if rows is not None else w13,
+                    torch.cat([base.w2[rows], w2]) if rows is not None else w2,
                     index_of(ids, info.num_experts * parts), None, parts)
                 held.swap_layer(layer, made, parts=True)
             held.say_parts(layer, parts, sorted(ids))
