@@ -129,6 +129,8 @@ def test_every_layer_switches_ep_to_tp_and_back_while_serving(top4, tier):
             call(servers[0].address, DropParts(layers[0]), TOKEN, 10)  # its parts are needed
         to_ep = switcher.switch(layers, "ep", group)  # back to experts 0-7 and 8-15
         assert all(r.parts == 1 for r in to_ep)
+        # each server assembled its 8 experts from its own parts and its peer's
+        assert all(r.added == {"self": 0, "peer": 16, "disk": 0} for r in to_ep), to_ep
         assert layouts(switcher.holdings(), info) == {layer: 1 for layer in layers}
         ep_steps = steps.steps
         wait_until(lambda: steps.steps >= ep_steps + 3, 30, "steps in EP again")

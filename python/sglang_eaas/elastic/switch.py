@@ -192,13 +192,15 @@ class Switcher:
             raise SwitchError(f"MoE layer {layer}: {exc}") from None
         target = {s: blocks[i % len(blocks)] for i, s in enumerate(servers)}
         have = holdings.layer(layer)
-        changes = self._add_whole(layer, target, have)
+        cut = {s: list(h.parts[layer].ids) for s, h in holdings.items()
+               if layer in h.parts and h.parts[layer].parts == parts and s not in self._lost}
+        changes = self._add_whole(layer, target, have, parts, cut)
         live = [s for s in servers if s not in self._lost]
         orphans = sorted(set(range(self.info.num_experts))
                          - {e for s in live for e in target[s]})
         if orphans and live:  # a server lost with its block: the survivors take it
             again = {s: [e for e in orphans[i::len(live)]] for i, s in enumerate(live)}
-            changes += self._add_whole(layer, again, have)
+            changes += self._add_whole(layer, again, have, parts, cut)
             for s in live:
                 target[s] = [*target[s], *again.get(s, [])]
         live = [s for s in servers if s not in self._lost]
@@ -210,16 +212,25 @@ class Switcher:
         self._wait_shown(lambda held: all(s not in held or set(target[s]) <= set(
             held[s].get(layer, ())) for s in live), f"MoE layer {layer}'s experts")
         self._phase("shown")
-        cut = [s for s, held in holdings.items() if layer in held.parts and s not in self._lost]
-        self._each(cut, lambda s: DropParts(layer, grace=self.grace))
+        holders = [s for s, held in holdings.items() if layer in held.parts
+                   and s not in self._lost]
+        self._each(holders, lambda s: DropParts(layer, grace=self.grace))
         self._phase("drop")
-        self._wait_freed(layer, [s for s in cut if s not in self._lost])
+        self._wait_freed(layer, [s for s in holders if s not in self._lost])
         self._phase("freed")
         return _origins(changes)
 
     def _add_whole(self, layer: int, target: dict[str, list[int]],
-                   have: dict[str, tuple[int, ...]]) -> list:
-        adds = {s: AddExperts(layer, [e for e in ids if e not in have.get(s, ())])
+                   have: dict[str, tuple[int, ...]], parts: int, cut: dict[str, list[int]]
+                   ) -> list:
+        """``target``'s experts added where not held, assembled from the parts ``cut`` (server
+        -> routed part ids) holds, over the weight fabric."""
+        def add(s: str, ids: list[int]) -> AddExperts:
+            sources = {h: i for h, i in cut.items() if h != s and h not in self._lost}
+            return (AddExperts(layer, ids, parts=parts, part_sources=sources) if sources
+                    else AddExperts(layer, ids))
+
+        adds = {s: add(s, [e for e in ids if e not in have.get(s, ())])
                 for s, ids in target.items()}
         return self._each(list(target), lambda s: adds[s] if adds[s].experts else None)
 

@@ -66,6 +66,8 @@ class WeightExports:
         if held.store.transport is None:
             raise ControlError("no_weight_fabric", f"expert server {self.address} keeps its "
                                "weights in plain memory (--weight-fabric off)")
+        if request.parts > 1:
+            return self._export_parts(request)
         if request.adapter:
             described = held.holdings.adapters.get(request.layer, {})
             digests = {p: d.digest for p, d in described.items()}
@@ -86,6 +88,29 @@ class WeightExports:
             # a region of this server's (one memcpy), which the lease keeps until released
             layer = grown(layer, [], held.info.num_experts, held.store)[0]
             rows = [int(layer.local_index[e]) for e in request.experts]
+        return self._lend(layer, list(request.experts), rows,
+                          [digests[e] for e in request.experts])
+
+    def _export_parts(self, request: ExportWeights) -> WeightsRegion:
+        """Lend parts of ``request.parts``-part slices (routed ids), each with its expert's
+        digest (the reader's check that both serve one checkpoint)."""
+        held, parts = self.held, request.parts
+        layer = held.part_layers.get(request.layer)
+        said = held.holdings.parts.get(request.layer)
+        ids = list(request.experts)
+        held_ids = set(said.ids) if said is not None and said.parts == parts else set()
+        missing = [i for i in ids if i not in held_ids]
+        if layer is None or layer.backing is None or missing:
+            raise ControlError("weights_not_held", f"expert server {self.address} does not hold "
+                               f"parts {missing or ids} of {parts}-part slices of MoE layer "
+                               f"{request.layer} in its weight fabric")
+        digests = held.digests_of(sorted({i // parts for i in ids}))
+        return self._lend(layer, ids, [int(layer.local_index[i]) for i in ids],
+                          [digests[i // parts] for i in ids])
+
+    def _lend(self, layer: LayerExperts, ids: list[int], rows: list[int],
+              digests: list[str]) -> WeightsRegion:
+        """A lease on ``layer``'s region: ``ids`` at ``rows``."""
         lease = uuid.uuid4().hex
         now = time.monotonic()
         with self._lock:
@@ -93,9 +118,9 @@ class WeightExports:
             self._leases[lease] = (layer, now + LEASE)
         backing = layer.backing
         # the rows of the version lent (not the region's spare rows, written later)
-        return WeightsRegion(lease, backing.region.handle.to_dict(), DTYPE_NAMES[held.dtype],
-                             layer.w13.shape[0], backing.w2_offset, list(request.experts), rows,
-                             [digests[e] for e in request.experts])
+        return WeightsRegion(lease, backing.region.handle.to_dict(),
+                             DTYPE_NAMES[self.held.dtype], layer.w13.shape[0],
+                             backing.w2_offset, ids, rows, digests)
 
     def release(self, request: ReleaseWeights) -> Done:
         with self._lock:
@@ -225,6 +250,39 @@ class FabricReader:
                     else:
                         w13, w2 = views[0][at:at + 1], views[1][at:at + 1]
                     cut_into(w13, w2, part, out13[i:i + 1], out2[i:i + 1])
+                return read
+            finally:
+                self._pool.submit(peer.close)
+        finally:
+            self._pool.submit(self._release, source, kept, lent.lease)
+
+    def read_part_rows(self, source: str, layer_id: int, ids: list[int], parts: int,
+                       digests: dict[int, str], out13: torch.Tensor, out2: torch.Tensor
+                       ) -> int:
+        """The holder ``source``'s rows of the parts ``ids`` (routed ids of ``parts``-part
+        slices) of ``layer_id`` into ``out13[i]``, ``out2[i]`` (``[n, 2I/P, H]``, ``[n, H,
+        I/P]``); ``digests``: this server's digest of each part's expert (the holder's must
+        match). Returns the bytes read (0 where its region is mapped here: copied)."""
+        kept, lent = self._lease(source, ExportWeights(layer_id, list(ids), parts=parts))
+        try:
+            peer, dtype = self._connect(lent, ids, {i: digests[i // parts] for i in ids},
+                                        source)
+            try:
+                info = Part(0, parts).info(self.store.info)
+                views = layer_views(peer, lent.rows, info, dtype, lent.w2_offset)
+                read = 0
+                for i, at in enumerate(lent.expert_rows):
+                    if views is None:
+                        staged13 = torch.empty(out13.shape[1:], dtype=dtype)
+                        staged2 = torch.empty(out2.shape[1:], dtype=dtype)
+                        peer.read(at * staged13.nbytes, staged13)
+                        peer.read(lent.w2_offset + at * staged2.nbytes, staged2)
+                        read += staged13.nbytes + staged2.nbytes
+                        out13[i].copy_(staged13)
+                        out2[i].copy_(staged2)
+                    else:
+                        out13[i].copy_(views[0][at])
+                        out2[i].copy_(views[1][at])
                 return read
             finally:
                 self._pool.submit(peer.close)

@@ -3,7 +3,8 @@
 * ``layers``: the weights the serving loop computes with, one ``LayerExperts`` per MoE layer,
   each version in a region of the weight fabric (``store``) or in plain memory.
 * ``part_layers``: the parts of experts it holds for tensor parallelism, one ``LayerExperts``
-  of parts per MoE layer with any (``holdings.parts``; plain memory), apart from ``layers``:
+  of parts per MoE layer with any (``holdings.parts``; in ``part_store``'s fabric regions, so
+  peers read them as they read whole rows), apart from ``layers``:
   a request's header says which of the two it was routed to (``served``).
   A change is staged (``swap_layer``) and applied by the serving loop between two batches
   (``apply_swaps``), so a request is always computed with the rows it was checked against.
@@ -31,6 +32,7 @@ from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.expert_server.experts import (
     LayerExperts, load_experts, load_parts, weight_bytes,
 )
+from sglang_eaas.expert_server.slices import Part
 from sglang_eaas.expert_server.weight_store import WeightStore
 from sglang_eaas.holdings import AdapterExpert, ServerHoldings
 from sglang_eaas.model_info import MoeModelInfo
@@ -53,8 +55,11 @@ class HeldExperts:
         self.adapter_paths: Mapping[str, str] = {}
         self.layers: Mapping[int, LayerExperts] = load_experts(model_path, info, dict(holdings),
                                                                self.dtype, store)
-        self.part_layers: Mapping[int, LayerExperts] = load_parts(model_path, info,
-                                                                  holdings.parts, self.dtype)
+        self._part_stores: dict[int, WeightStore] = {}
+        cuts = {h.parts for h in holdings.parts.values()}
+        self.part_layers: Mapping[int, LayerExperts] = load_parts(
+            model_path, info, holdings.parts, self.dtype,
+            self.part_store(cuts.pop()) if len(cuts) == 1 else None)
         self.counters: collections.Counter[str] = collections.Counter()
         # applied by the loop between batches: (layer, False whole experts | True parts) -> rows
         self._swaps: dict[tuple[int, bool], LayerExperts | None] = {}
@@ -66,6 +71,15 @@ class HeldExperts:
 
     def weight_bytes(self) -> int:
         return weight_bytes(self.layers) + weight_bytes(self.part_layers)
+
+    def part_store(self, parts: int) -> WeightStore:
+        """Where layers of ``parts``-part slices live: the weight fabric's regions (peers read
+        them one-sidedly, as whole experts' rows), of a part's shape."""
+        store = self._part_stores.get(parts)
+        if store is None:
+            store = self._part_stores[parts] = WeightStore(
+                self.store.transport, Part(0, parts).info(self.info), self.dtype)
+        return store
 
     def served(self, layer: int, parts: int) -> LayerExperts | None:
         """The rows a request of ``layer`` routed in ``parts`` parts (a header's ``parts``)

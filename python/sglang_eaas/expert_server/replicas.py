@@ -33,7 +33,7 @@ from sglang_eaas.expert_server.experts import (
     LayerExperts, grown, index_of, load_parts, read_experts_into, with_experts, without_experts,
 )
 from sglang_eaas.expert_server.fabric import FabricReader
-from sglang_eaas.expert_server.slices import Part, cut_into
+from sglang_eaas.expert_server.slices import Part, assemble_into, cut_into
 from sglang_eaas.holdings import AdapterExpert, HeldParts, ServerHoldings
 from sglang_eaas.protocol.control import (
     WEIGHT_CHUNK, WEIGHT_TENSORS, AddExperts, AddParts, DropExperts, DropParts, ExpertWeights,
@@ -81,8 +81,12 @@ class Replicas:
                 def disk(w13: torch.Tensor, w2: torch.Tensor) -> None:
                     read_experts_into(held.model_path, held.info, layer, new, w13, w2)
 
-                made, from_peer, from_disk = self._next_version(
-                    layer, new, request.source, digests, disk, held.model_path)
+                if request.parts > 1:
+                    made, from_peer, from_disk = self._assemble(
+                        layer, new, request.parts, request.part_sources, digests)
+                else:
+                    made, from_peer, from_disk = self._next_version(
+                        layer, new, request.source, digests, disk, held.model_path)
                 held.swap_layer(layer, made)
                 held.learn_digests(digests)
             held.say_held(layer, sorted(advertised | set(request.experts)))
@@ -258,12 +262,15 @@ class Replicas:
             origin: dict[str, list[int]] = {"self": [], "peer": [], "disk": []}
             ids = have + new
             if base is None or new or len(have) != len(_routed(base)):
-                w13, w2, origin = self._cut_parts(layer, parts, new, request.sources)
-                rows = base.local_index[torch.tensor(have, dtype=torch.long)] if have else None
-                made = LayerExperts(
-                    torch.cat([base.w13[rows], w13]) if rows is not None else w13,
-                    torch.cat([base.w2[rows], w2]) if rows is not None else w2,
-                    index_of(ids, info.num_experts * parts), None, parts)
+                w13, w2, backing = held.part_store(parts).empty(len(ids))
+                if have:  # kept rows first (one copy), then the new parts cut in place
+                    rows = base.local_index[torch.tensor(have, dtype=torch.long)]
+                    torch.index_select(base.w13, 0, rows, out=w13[:len(have)])
+                    torch.index_select(base.w2, 0, rows, out=w2[:len(have)])
+                origin = self._cut_parts(layer, parts, new, request.sources,
+                                         w13[len(have):], w2[len(have):])
+                made = LayerExperts(w13, w2, index_of(ids, info.num_experts * parts), backing,
+                                    parts)
                 held.swap_layer(layer, made, parts=True)
             held.say_parts(layer, parts, sorted(ids))
             held.count("parts_added", len(new))
@@ -274,17 +281,13 @@ class Replicas:
                                origin["disk"])
 
     def _cut_parts(self, layer: int, parts: int, ids: list[int],
-                   sources: dict[str, list[int]]
-                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[int]]]:
-        """Rows of the routed part ids ``ids``, in that order (each part's bytes copied once),
-        and where each came from: ``self`` (cut from this server's whole rows), ``peer`` (a
-        holder in ``sources``, over the weight fabric), ``disk`` (the checkpoint)."""
+                   sources: dict[str, list[int]], out13: torch.Tensor, out2: torch.Tensor
+                   ) -> dict[str, list[int]]:
+        """The rows of the routed part ids ``ids`` into ``out13``, ``out2``, in that order (each
+        part's bytes copied once); where each came from: ``self`` (cut from this server's whole
+        rows), ``peer`` (a holder in ``sources``, over the weight fabric), ``disk`` (the
+        checkpoint)."""
         held = self.held
-        shape = Part(0, parts).info(held.info)
-        out13 = torch.empty(len(ids), 2 * shape.moe_intermediate_size, shape.hidden_size,
-                            dtype=held.dtype)
-        out2 = torch.empty(len(ids), shape.hidden_size, shape.moe_intermediate_size,
-                           dtype=held.dtype)
         at = {i: n for n, i in enumerate(ids)}
         origin: dict[str, list[int]] = {"self": [], "peer": [], "disk": []}
         whole = held.layers.get(layer)
@@ -329,7 +332,66 @@ class Replicas:
             out13[rows] = loaded.w13[loaded.local_index[torch.tensor(rest)]]
             out2[rows] = loaded.w2[loaded.local_index[torch.tensor(rest)]]
             origin["disk"] = rest
-        return out13, out2, origin
+        return origin
+
+    def _assemble(self, layer: int, experts: list[int], parts: int,
+                  sources: dict[str, list[int]], digests: dict[int, str]
+                  ) -> tuple[LayerExperts, list[int], list[int]]:
+        """``layer``'s next version: what it holds, then ``experts`` assembled from their
+        ``parts`` parts (this server's own, then those the holders in ``sources`` lend over the
+        weight fabric, their experts' digests checked), each part's bytes copied once into
+        place; an expert a part of which none gave is read whole from disk. Also which experts
+        used a peer's parts and which came from disk."""
+        held = self.held
+        made, new13, new2 = grown(held.layers.get(layer), experts, held.info.num_experts,
+                                  held.store)
+        row = {e: n for n, e in enumerate(experts)}
+        got: dict[int, set[int]] = {e: set() for e in experts}
+        mine = held.part_layers.get(layer)
+        if mine is not None and mine.parts == parts:
+            for i in _routed(mine):
+                e, p = divmod(i, parts)
+                if e in row:
+                    r, n = int(mine.local_index[i]), row[e]
+                    assemble_into(mine.w13[r:r + 1], mine.w2[r:r + 1], Part(p, parts),
+                                  new13[n:n + 1], new2[n:n + 1])
+                    got[e].add(p)
+        shape = Part(0, parts).info(held.info)
+        peer_used = set()
+        for source, ids in sources.items():
+            wanted = [i for i in ids if i // parts in row and i % parts not in got[i // parts]]
+            if not wanted or not self.fabric.enabled:
+                continue
+            part13 = torch.empty(len(wanted), 2 * shape.moe_intermediate_size,
+                                 shape.hidden_size, dtype=held.dtype)
+            part2 = torch.empty(len(wanted), shape.hidden_size, shape.moe_intermediate_size,
+                                dtype=held.dtype)
+            try:
+                read = self.fabric.read_part_rows(source, layer, wanted, parts, digests, part13,
+                                                  part2)
+            except (TransportError, ControlError, ValueError) as exc:
+                held.count("fabric_fallbacks")
+                logger.warning("MoE layer %d: could not read parts %s from %s over the weight "
+                               "fabric (%s)", layer, wanted, source, exc)
+                continue
+            held.count("fabric_bytes_read", read)
+            for k, i in enumerate(wanted):
+                e, p = divmod(i, parts)
+                if p not in got[e]:
+                    n = row[e]
+                    assemble_into(part13[k:k + 1], part2[k:k + 1], Part(p, parts),
+                                  new13[n:n + 1], new2[n:n + 1])
+                    got[e].add(p)
+                    peer_used.add(e)
+        rest = [e for e in experts if len(got[e]) < parts]
+        if rest:
+            whole13 = new13.new_empty(len(rest), *new13.shape[1:])
+            whole2 = new2.new_empty(len(rest), *new2.shape[1:])
+            read_experts_into(held.model_path, held.info, layer, rest, whole13, whole2)
+            for k, e in enumerate(rest):
+                new13[row[e]].copy_(whole13[k])
+                new2[row[e]].copy_(whole2[k])
+        return made, [e for e in experts if e in peer_used and e not in rest], rest
 
     def drop_parts(self, request: DropParts) -> PartsChange:
         s, held, layer = self.server, self.held, request.layer

@@ -79,3 +79,16 @@ def cut_into(w13: torch.Tensor, w2: torch.Tensor, part: Part, out13: torch.Tenso
     out13[:, :width].copy_(w13[:, lo:hi])
     out13[:, width:].copy_(w13[:, inter + lo:inter + hi])
     out2.copy_(w2[:, :, lo:hi])
+
+
+def assemble_into(part13: torch.Tensor, part2: torch.Tensor, part: Part, out13: torch.Tensor,
+                  out2: torch.Tensor) -> None:
+    """``part``'s rows (``part13 [n, 2I/P, H]``, ``part2 [n, H, I/P]``) copied into their place
+    in whole experts' rows ``out13 [n, 2I, H]``, ``out2 [n, H, I]``: ``cut_into`` undone, so the
+    P parts of an expert assembled give its rows back bit for bit."""
+    inter = out2.shape[-1]
+    lo, hi = part.bounds(inter)
+    width = hi - lo
+    out13[:, lo:hi].copy_(part13[:, :width])
+    out13[:, inter + lo:inter + hi].copy_(part13[:, width:])
+    out2[:, :, lo:hi].copy_(part2)

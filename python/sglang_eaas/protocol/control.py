@@ -214,7 +214,10 @@ def _check_experts(layer: int, experts: list[int]) -> None:
 class AddExperts(Request):
     """Hold ``experts`` of MoE ``layer`` too (replicas): their weights are read from the
     expert server ``source`` (its control address) if given, from the checkpoint on disk
-    otherwise or if that fails; the server serves them before it says it holds them.
+    otherwise or if that fails; the server serves them before it says it holds them. With
+    ``parts`` > 1 they are assembled instead from the parts of ``parts``-part slices this
+    server holds and those ``part_sources`` (address -> routed part ids) hold, read over the
+    weight fabric (an expert a part of which none gives: from disk).
 
     With ``adapter``: ``experts`` are physical ids (>= the model's expert count) of the ESFT
     adapter ``adapter`` (its directory ``adapter_path``), ``replaces[i]`` the base expert that
@@ -226,12 +229,19 @@ class AddExperts(Request):
     adapter: str = ""
     adapter_path: str = ""
     replaces: list[int] = field(default_factory=list)
+    parts: int = 0
+    part_sources: dict = field(default_factory=dict)  # control address -> [routed part ids]
 
     op = "add_experts"
     reply = HoldingsChange
 
     def validate(self) -> None:
         _check_experts(self.layer, self.experts)
+        if self.parts and (self.parts < 2 or self.adapter or not _part_sources(
+                self.part_sources)):
+            raise ControlError("bad_field", f"experts assembled from parts name parts >= 2 and "
+                               f"part_sources (address -> routed part ids), got parts "
+                               f"{shown(self.parts)}, part_sources {shown(self.part_sources)}")
         if self.adapter and (not self.adapter_path or len(self.replaces) != len(self.experts)
                              or any(type(e) is not int or e < 0 for e in self.replaces)):
             raise ControlError("bad_field", f"an adapter's add names its path and one base "
@@ -272,6 +282,14 @@ class PartsChange(Message):
     from_disk: list[int] = field(default_factory=list)  # the checkpoint
 
 
+def _part_sources(sources: object) -> bool:
+    """Whether ``sources`` maps addresses to lists of ids >= 0."""
+    return isinstance(sources, dict) and all(
+        isinstance(a, str) and isinstance(ids, list) and all(type(e) is int and e >= 0
+                                                              for e in ids)
+        for a, ids in sources.items())
+
+
 @dataclass(frozen=True)
 class AddParts(Request):
     """Hold the parts ``ids`` (routed ids ``e * parts + p``: part ``p`` of ``parts`` of expert
@@ -294,10 +312,7 @@ class AddParts(Request):
         if type(self.parts) is not int or self.parts < 2:
             raise ControlError("bad_field", f"parts is the number of slices an expert is cut "
                                f"into, at least 2, got {shown(self.parts)}")
-        if not isinstance(self.sources, dict) or not all(
-                isinstance(a, str) and isinstance(ids, list)
-                and all(type(e) is int and e >= 0 for e in ids)
-                for a, ids in self.sources.items()):
+        if not _part_sources(self.sources):
             raise ControlError("bad_field", f"sources maps holders' control addresses to the "
                                f"expert ids to read there, got {shown(self.sources)}")
 
@@ -379,12 +394,14 @@ class WeightsRegion(Message):
 @dataclass(frozen=True)
 class ExportWeights(Request):
     """Lend ``experts``' weights of MoE ``layer`` for a one-sided read (``adapter``: ESFT
-    adapter experts by physical id). Refused (``weights_not_held``) for experts not held,
+    adapter experts by physical id; ``parts``: the parts it holds, by routed id, each with its
+    expert's digest). Refused (``weights_not_held``) for experts not held,
     (``no_weight_fabric``) by a server whose weights are not in the fabric."""
 
     layer: int
     experts: list[int]
     adapter: bool = False
+    parts: int = 0  # > 1: the server's parts of ``parts``-part slices, ``experts`` routed ids
 
     op = "export_weights"
     reply = WeightsRegion
