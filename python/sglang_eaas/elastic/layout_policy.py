@@ -27,9 +27,9 @@ import numpy as np
 
 from sglang_eaas.balance.load import LoadWindow
 from sglang_eaas.elastic.layout_cost import LayerCost
+from sglang_eaas.elastic.switch import EP, TP
 
-EP, TP = "ep", "tp"
-LAYOUT_MODES = ("ep", "tp", "auto")  # --eaas-layout
+LAYOUT_MODES = (EP, TP, "auto")  # --eaas-layout
 
 
 @dataclass(frozen=True)

@@ -5,17 +5,21 @@ A layer's layout is read from what the servers hold (``routing_table.py``): EP w
 experts cover it, else TP over the parts that do. So a switch is two holdings changes, made
 layer by layer, adds before drops:
 
-* **EP -> TP** over a group of P servers: server ``p`` of the group adds part ``p`` of every
-  expert of the layer (``add_parts``: cut from its own whole rows, else from a holder's over the
-  weight fabric, else from the checkpoint), then every holder drops the layer's whole experts
-  (``drop_experts``). The first drop flips the layer to TP for every client at its next step;
-  requests routed by the old table are still answered until they stop coming.
-* **TP -> EP**: the servers add whole experts again (``add_experts``: a placement's, by default
-  contiguous blocks over the group), then drop the layer's parts (``drop_parts``).
+* **EP -> TP** over a group (server ``i`` holds part ``i % P``; a group of 2P servers holds
+  every part twice): each server adds its part of every expert of the layer (``add_parts``:
+  cut from its own whole rows, else from a holder's over the weight fabric, else from the
+  checkpoint), then every holder drops the layer's whole experts (``drop_experts``). The first
+  drop flips the layer to TP for every client at its next step; requests routed by the old
+  table are still answered until they stop coming.
+* **TP -> EP**: the servers add whole experts again in contiguous blocks (``add_experts`` with
+  ``parts``: each assembled from the server's own part and the others' over the weight
+  fabric), then drop the layer's parts (``drop_parts``).
 
 Each layer waits until the monitor shows the adds before it drops, and until the dropped rows
 are freed before the next layer begins, so at most one layer is held twice at any moment: the
-extra memory per server is about one layer's weights (ParaSMoE's bound is two, (K+2)/K).
+extra memory per server is about one layer's weights (ParaSMoE's bound is two, (K+2)/K). A
+server lost mid-switch is left out; the survivors complete the layer where they can, else it
+is rolled back (``Switcher.switch``).
 """
 
 from __future__ import annotations
