@@ -2,12 +2,12 @@
 
 * ``layers``: the weights the serving loop computes with, one ``LayerExperts`` per MoE layer,
   each version in a region of the weight fabric (``store``) or in plain memory.
-* ``part_layers``: the parts of experts it holds for tensor parallelism, one ``LayerExperts``
-  of parts per MoE layer with any (``holdings.parts``; in ``part_store``'s fabric regions, so
-  peers read them as they read whole rows), apart from ``layers``:
-  a request's header says which of the two it was routed to (``served``).
   A change is staged (``swap_layer``) and applied by the serving loop between two batches
   (``apply_swaps``), so a request is always computed with the rows it was checked against.
+* ``part_layers``: the parts of experts it holds for tensor parallelism, one ``LayerExperts``
+  of parts per MoE layer with any (``holdings.parts``; in ``part_store``'s fabric regions, so
+  peers read them as they read whole rows), apart from ``layers`` and changed the same way: a
+  request's header says which of the two it was routed to (``served``).
 * ``holdings``: what the server says it holds (to joining clients, in ``stats``, to the
   monitor through ``announce``); it lists an expert only while its rows are in ``layers``.
 * ``digests``: the model experts' weight digests it knows (held, or read for a replica).
@@ -180,6 +180,7 @@ class HeldExperts:
         return back
 
     def retire_parts(self, layer: int) -> None:
+        """``layer``'s parts were dropped: still computed until quiet (``quiet_parts``)."""
         with self._retiring_lock:
             self.retiring_parts[layer] = time.monotonic()
 
