@@ -74,9 +74,8 @@ def render(snapshot: Snapshot, monitor: str) -> str:
             spread = Counter(count[e] for e in experts if count[e])
             shape = ", ".join(f"{n} with {r} holder{'s' if r > 1 else ''}"
                               for r, n in sorted(spread.items()))
-            layout = "EP" if parts == 1 else f"TP over {parts} parts"
-            lines.append(f"  model {fingerprint[:12]} layer {layer} ({layout}): "
-                         f"{shape or 'none'}"
+            layout = "" if parts == 1 else f" (TP over {parts} parts)"  # EP: said by nothing
+            lines.append(f"  model {fingerprint[:12]} layer {layer}{layout}: {shape or 'none'}"
                          + (f"; NO LIVE HOLDER for experts {ranges(missing)}" if missing else ""))
     computed = [(m, m.load.get("expert_load") or {}) for m in servers]
     if any(per_layer for _, per_layer in computed):
