@@ -16,7 +16,7 @@ LAYERS = (
     {"envs", "addresses", "holdings", "model_info", "corpus", "training", "transports",
      "request_checks"},
     # wire records (protocol/), placement files, stock SGLang on a CPU
-    {"placement", "checkpoint", "protocol", "cpu_runtime"},
+    {"placement", "checkpoint", "protocol", "cpu_runtime", "slices"},
     {"routing_table", "endpoint"},
     {"esft", "balance", "membership"},  # policies over Holdings; reaching a monitor
     {"elastic"},  # resizing the live tier (over balance's apply and a monitor)

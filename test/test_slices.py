@@ -26,7 +26,7 @@ from sglang_eaas.protocol.lines import ControlError, holdings_fields, read_holdi
 from sglang_eaas.routing_table import RoutingTable
 from sglang_eaas.expert_server.compute import local_experts, weighted_expert_sum
 from sglang_eaas.expert_server.experts import load_experts
-from sglang_eaas.expert_server.slices import Part, part_rows
+from sglang_eaas.slices import Part, part_rows
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.tools.make_tiny_model import PRESETS
 from tier_steps import one_step, routed_batch

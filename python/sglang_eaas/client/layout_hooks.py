@@ -29,7 +29,7 @@ from sglang_eaas.balance.load import LoadWindow
 from sglang_eaas.client.metrics import metrics_enabled
 from sglang_eaas.elastic.layout_policy import EP, TP, LayoutChooser, LayoutSettings
 from sglang_eaas.elastic.switch import Switcher, SwitchError
-from sglang_eaas.expert_server.slices import Part
+from sglang_eaas.slices import Part
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import PlacementError, even_placement
 from sglang_eaas.routing_table import RoutingTable

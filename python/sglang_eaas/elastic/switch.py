@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ibgda import TransportError
-from sglang_eaas.expert_server.slices import Part
+from sglang_eaas.slices import Part
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.membership import current_snapshot
 from sglang_eaas.model_info import MoeModelInfo

@@ -207,7 +207,7 @@ def parse_args(argv: list[str] | None = None):
 
 def _part(spec: str, info: MoeModelInfo) -> tuple[int, int]:
     """``--part P/N`` -> ``(P, N)``; ``PlacementError`` in one sentence for anything else."""
-    from sglang_eaas.expert_server.slices import Part
+    from sglang_eaas.slices import Part
 
     index, sep, parts = spec.partition("/")
     if not sep or not index.strip().isdigit() or not parts.strip().isdigit():

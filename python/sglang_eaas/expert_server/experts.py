@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from sglang_eaas.checkpoint import tensor_files
-from sglang_eaas.expert_server.slices import Part
+from sglang_eaas.slices import Part
 from sglang_eaas.expert_server.weight_store import WeightBacking, WeightStore
 from sglang_eaas.holdings import HeldParts
 from sglang_eaas.model_info import ModelError, MoeModelInfo

@@ -36,7 +36,7 @@ import torch
 import ibgda
 from ibgda import RegionHandle, TransportError
 from sglang_eaas.expert_server.experts import LayerExperts, grown
-from sglang_eaas.expert_server.slices import Part, cut_into
+from sglang_eaas.slices import Part, cut_into
 from sglang_eaas.expert_server.weight_store import (
     WeightBacking, WeightStore, layer_views, row_shapes,
 )

@@ -32,7 +32,7 @@ from sglang_eaas.checkpoint import expert_digests
 from sglang_eaas.expert_server.experts import (
     LayerExperts, load_experts, load_parts, weight_bytes,
 )
-from sglang_eaas.expert_server.slices import Part
+from sglang_eaas.slices import Part
 from sglang_eaas.expert_server.weight_store import WeightStore
 from sglang_eaas.holdings import AdapterExpert, ServerHoldings
 from sglang_eaas.model_info import MoeModelInfo

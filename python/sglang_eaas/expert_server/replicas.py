@@ -33,7 +33,7 @@ from sglang_eaas.expert_server.experts import (
     LayerExperts, grown, index_of, load_parts, read_experts_into, with_experts, without_experts,
 )
 from sglang_eaas.expert_server.fabric import FabricReader
-from sglang_eaas.expert_server.slices import Part, assemble_into, cut_into
+from sglang_eaas.slices import Part, assemble_into, cut_into
 from sglang_eaas.holdings import AdapterExpert, HeldParts, ServerHoldings
 from sglang_eaas.protocol.control import (
     WEIGHT_CHUNK, WEIGHT_TENSORS, AddExperts, AddParts, DropExperts, DropParts, ExpertWeights,
