@@ -53,6 +53,7 @@ class LayoutSwitcher:
         self._group: tuple[str, ...] = ()
         self._switching = threading.Lock()
         self._refused = ""  # said once: why this tier cannot be cut
+        self._attempted = -float("inf")  # the last switch begun (made or failed): the dwell's
         if settings.mode == TP:
             threading.Thread(target=self._to_tp_at_start, name="eaas-layout",
                              daemon=True).start()
@@ -91,6 +92,7 @@ class LayoutSwitcher:
                          else even_placement(self.info.num_experts, len(group)))
             self.chooser = LayoutChooser(self.settings.policy, self.settings.cost,
                                          self.info.top_k, len(group), placement, current)
+            self.chooser.last_switch = self._attempted  # the dwell outlives a new chooser
             self._group = group
         return self.chooser
 
@@ -106,6 +108,7 @@ class LayoutSwitcher:
             return False
 
     def _switch(self, to: str, group: list[str]) -> None:
+        self._attempted = time.monotonic()
         try:
             began = time.perf_counter()
             self.switcher.switch(list(self.info.moe_layers), to, group)
@@ -117,7 +120,7 @@ class LayoutSwitcher:
                 self.metrics.switched(to)
         except (SwitchError, PlacementError, OSError, RuntimeError) as exc:
             logger.warning("eaas layout: the switch to %s failed: %s", to.upper(), exc)
-            self.chooser = None  # judged again from the tier as it is
+            self.chooser = None  # judged again from the tier as it is, after the dwell
         finally:
             self._switching.release()
 
