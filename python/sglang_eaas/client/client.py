@@ -289,7 +289,7 @@ class EaasClient:
             handle.ids = table.expand(layer_id, handle.topk_ids.cpu().numpy())
             handle.out[rows].zero_()
             chunk.pending = handle.ids[rows] >= 0
-        parts = handle.parts
+        parts, handle.epoch = handle.parts, self.view.epoch
         ids, hidden, weights = handle.ids[rows], handle.hidden[rows], handle.topk_weights[rows]
         server_of = table.assign(layer_id, np.where(chunk.pending, ids, -1))
         orphans = server_of == NO_HOLDER
@@ -338,7 +338,7 @@ class EaasClient:
                     if exc.reason not in NOT_HELD or conn in handle.refused:
                         raise TransportError(f"expert server {conn.address}: {exc}") from None
                     handle.refused.add(conn)  # its holdings changed: the entries go again
-                    if not self._adopt_newer(handle.layer_id):
+                    if not self._adopt_newer(handle.layer_id, handle.epoch):
                         self._lose(conn, f"refused MoE layer {handle.layer_id}'s experts "
                                    f"({exc.reason.name}) and no newer table came", report=False)
                     continue
@@ -364,14 +364,18 @@ class EaasClient:
                 self.metrics.timeout(conn.address)
                 return f"did not answer MoE layer {layer_id} within {self.result_timeout:g}s"
 
-    def _adopt_newer(self, layer_id: int) -> bool:
+    def _adopt_newer(self, layer_id: int, sent_with: int) -> bool:
         """A server refused experts this client's table says it holds: it stopped holding
         them (it says so before it frees them, and frees them only once no request came for a
         while, so this is a client that lagged). Wait for the view that says so (the tier
-        thread brings it) and use it now; False if none came within the result timeout."""
+        thread brings it) and use it now; False if none came within the result timeout. A view
+        newer than ``sent_with`` (the epoch the refused entries were sent by) already in use
+        counts: the other micro-batch's refusal may have installed it."""
         deadline = time.monotonic() + self.result_timeout
         while time.monotonic() < deadline:
             with self._lock:
+                if self.view.epoch > sent_with:
+                    return True
                 staged, self._staged = self._staged, None
                 if staged is not None and staged.epoch > self.view.epoch:
                     self._install(staged)

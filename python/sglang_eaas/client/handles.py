@@ -43,6 +43,7 @@ class Dispatched:
     micro_batch: int  # which slot per server carries them
     ids: np.ndarray | None = None  # topk_ids on the host, as routed: [T, K * parts]
     parts: int = 1  # the layer's layout when dispatched: 1 EP, P TP (RoutingTable.expand)
+    epoch: int = -1  # the routing table the entries in flight were sent by
     out: torch.Tensor | None = None  # [T, H] the sum, as the answers come
     step: int = 1  # rows per chunk (the servers' max_tokens when dispatched)
     chunk: Chunk | None = None

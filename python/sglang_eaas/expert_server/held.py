@@ -68,6 +68,8 @@ class HeldExperts:
         self._retiring_lock = threading.Lock()
         self.retiring: dict[int, dict[int, float]] = {}  # layer -> expert -> last request at
         self.retiring_parts: dict[int, float] = {}  # layer -> last request of its parts at
+        # (layer, expert; None: its parts) -> the grace of the drop that retired it
+        self._graces: dict[tuple[int, int | None], float] = {}
 
     def weight_bytes(self) -> int:
         return weight_bytes(self.layers) + weight_bytes(self.part_layers)
@@ -165,10 +167,13 @@ class HeldExperts:
         self.adapter_paths = {**self.adapter_paths, adapter: path}
 
     # -- retiring: dropped, still computed until quiet ---------------------------------------
-    def retire(self, layer: int, experts: list[int]) -> None:
+    def retire(self, layer: int, experts: list[int], grace: float) -> None:
+        """``experts`` of ``layer`` were dropped: still computed until no request used them for
+        ``grace`` seconds (each drop's own grace: ``quiet``)."""
         now = time.monotonic()
         with self._retiring_lock:
             self.retiring.setdefault(layer, {}).update({e: now for e in experts})
+            self._graces.update({(layer, e): grace for e in experts})
 
     def keep(self, layer: int, experts: list[int]) -> list[int]:
         """Those of ``experts`` still retiring in ``layer``, no longer retiring (their rows are
@@ -177,16 +182,20 @@ class HeldExperts:
             back = [e for e in experts if e in self.retiring.get(layer, {})]
             for e in back:
                 del self.retiring[layer][e]
+                self._graces.pop((layer, e), None)
         return back
 
-    def retire_parts(self, layer: int) -> None:
-        """``layer``'s parts were dropped: still computed until quiet (``quiet_parts``)."""
+    def retire_parts(self, layer: int, grace: float) -> None:
+        """``layer``'s parts were dropped: still computed until no request used them for
+        ``grace`` seconds (``quiet_parts``)."""
         with self._retiring_lock:
             self.retiring_parts[layer] = time.monotonic()
+            self._graces[layer, None] = grace
 
     def keep_parts(self, layer: int) -> bool:
         """Whether ``layer``'s parts were retiring (their rows still loaded): not any more."""
         with self._retiring_lock:
+            self._graces.pop((layer, None), None)
             return self.retiring_parts.pop(layer, None) is not None
 
     def used(self, layer: int, ids: torch.Tensor, parts: int = 1) -> None:
@@ -208,17 +217,19 @@ class HeldExperts:
                     if e in present:
                         retiring[e] = now
 
-    def quiet(self, grace: float) -> tuple[dict[int, list[int]], bool]:
-        """The retiring experts no request used for ``grace`` seconds, per layer, no longer
+    def quiet(self) -> tuple[dict[int, list[int]], bool]:
+        """The retiring experts no request used for their drop's grace, per layer, no longer
         retiring (their rows are the caller's to free); and whether none is left retiring."""
         with self._retiring_lock:
             now = time.monotonic()
-            quiet = {layer: [e for e, at in experts.items() if now - at >= grace]
+            quiet = {layer: [e for e, at in experts.items()
+                             if now - at >= self._graces.get((layer, e), 0.0)]
                      for layer, experts in self.retiring.items()}
             quiet = {layer: ids for layer, ids in quiet.items() if ids}
             for layer, ids in quiet.items():
                 for e in ids:
                     del self.retiring[layer][e]
+                    self._graces.pop((layer, e), None)
             self.retiring = {k: v for k, v in self.retiring.items() if v}
             return quiet, not self.retiring
 
@@ -227,12 +238,14 @@ class HeldExperts:
         with self._retiring_lock:
             return sum(map(len, self.retiring.values())) + len(self.retiring_parts)
 
-    def quiet_parts(self, grace: float) -> tuple[list[int], bool]:
-        """The layers whose retiring parts no request used for ``grace`` seconds, no longer
+    def quiet_parts(self) -> tuple[list[int], bool]:
+        """The layers whose retiring parts no request used for their drop's grace, no longer
         retiring (their rows are the caller's to free); and whether none is left retiring."""
         with self._retiring_lock:
             now = time.monotonic()
-            quiet = [layer for layer, at in self.retiring_parts.items() if now - at >= grace]
+            quiet = [layer for layer, at in self.retiring_parts.items()
+                     if now - at >= self._graces.get((layer, None), 0.0)]
             for layer in quiet:
                 del self.retiring_parts[layer]
+                self._graces.pop((layer, None), None)
             return quiet, not self.retiring_parts

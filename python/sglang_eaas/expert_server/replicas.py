@@ -409,8 +409,8 @@ class Replicas:
                 s.tier.check_covered(held.holdings.with_parts(layer, current.parts, []),
                                      "drop_uncovered", "drop with force")
             held.say_parts(layer, current.parts, [])
-            held.retire_parts(layer)
-            self._start_retirer(request.grace)
+            held.retire_parts(layer, request.grace)
+            self._start_retirer()
             held.count("parts_dropped", len(current.ids))
             logger.info("MoE layer %d: no longer holding its %d parts of %d-part slices (their "
                         "weights go once no request used them for %gs)", layer,
@@ -438,37 +438,39 @@ class Replicas:
                     layer, sorted(advertised - set(request.experts))), "drop_uncovered",
                     "drop with force")
             held.say_held(layer, sorted(advertised - set(request.experts)))
-            held.retire(layer, request.experts)
-            self._start_retirer(request.grace)
+            held.retire(layer, request.experts, request.grace)
+            self._start_retirer()
             held.count("replicas_dropped", len(request.experts))
             logger.info("MoE layer %d: no longer holding experts %s (their weights go once no "
                         "request used them for %gs)", layer, sorted(request.experts),
                         request.grace)
             return HoldingsChange(list(held.holdings.get(layer, ())))
 
-    def _start_retirer(self, grace: float) -> None:
-        if self._retirer is None or not self._retirer.is_alive():
-            self._retirer = threading.Thread(target=self._retire, args=(grace,),
-                                             name="eaas-retire", daemon=True)
+    def _start_retirer(self) -> None:
+        """Under ``_change`` (as the retirer decides to end): one retirer while any retires."""
+        if self._retirer is None:
+            self._retirer = threading.Thread(target=self._retire, name="eaas-retire",
+                                             daemon=True)
             self._retirer.start()
 
-    def _retire(self, grace: float) -> None:
-        """Free the rows of every retiring expert (and layer of parts) that went quiet for
-        ``grace`` seconds."""
+    def _retire(self) -> None:
+        """Free the rows of every retiring expert (and layer of parts) that went quiet for its
+        drop's grace."""
         held = self.held
         while True:
             time.sleep(RETIRE_POLL)
             with self._change:
-                quiet, done = held.quiet(grace)
+                quiet, done = held.quiet()
                 for layer, ids in quiet.items():
                     held.swap_layer(layer, without_experts(held.layers[layer], ids, held.store))
                     logger.info("MoE layer %d: freed the weights of experts %s", layer, ids)
-                quiet_parts, done_parts = held.quiet_parts(grace)
+                quiet_parts, done_parts = held.quiet_parts()
                 for layer in quiet_parts:
                     held.swap_layer(layer, None, parts=True)
                     logger.info("MoE layer %d: freed the weights of its parts", layer)
-            if done and done_parts:
-                return
+                if done and done_parts:  # decided under the lock a drop starts one under
+                    self._retirer = None
+                    return
 
     def _check_layer(self, layer: int, experts: list[int], physical: bool = False) -> None:
         """``physical``: ids past the model's experts (adapter experts) may be named."""
