@@ -29,7 +29,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -40,6 +40,7 @@ from sglang_eaas.slices import Part, cut_into
 from sglang_eaas.expert_server.weight_store import (
     WeightBacking, WeightStore, layer_views, row_shapes,
 )
+from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol.control import ExportWeights, ReleaseWeights, WeightsRegion
 from sglang_eaas.protocol.lines import Channel, ControlError, Done
 from sglang_eaas.protocol.slot import DTYPE_NAMES, DTYPES_BY_NAME
@@ -233,28 +234,11 @@ class FabricReader:
         lends (``digests`` as ``fill``'s): where its region is mapped here only the parts'
         bytes are copied, else whole rows are read and cut. Returns the bytes read (0 when
         mapped). Raises as ``fill`` does."""
-        kept, lent = self._lease(source, ExportWeights(layer_id, list(experts), False))
-        try:
-            peer, dtype = self._connect(lent, experts, digests, source)
-            try:
-                views = layer_views(peer, lent.rows, self.store.info, dtype, lent.w2_offset)
-                read = 0
-                for i, (at, part) in enumerate(zip(lent.expert_rows, cuts)):
-                    if views is None:  # every access a transfer: the whole row, then cut
-                        (a, b), (c, d) = row_shapes(self.store.info)
-                        w13, w2 = torch.empty(1, a, b, dtype=dtype), torch.empty(1, c, d,
-                                                                                 dtype=dtype)
-                        peer.read(at * w13.nbytes, w13)
-                        peer.read(lent.w2_offset + at * w2.nbytes, w2)
-                        read += w13.nbytes + w2.nbytes
-                    else:
-                        w13, w2 = views[0][at:at + 1], views[1][at:at + 1]
-                    cut_into(w13, w2, part, out13[i:i + 1], out2[i:i + 1])
-                return read
-            finally:
-                self._pool.submit(peer.close)
-        finally:
-            self._pool.submit(self._release, source, kept, lent.lease)
+        def cut(i: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+            cut_into(w13[None], w2[None], cuts[i], out13[i:i + 1], out2[i:i + 1])
+
+        return self._each_lent_row(source, ExportWeights(layer_id, list(experts)), digests,
+                                   self.store.info, cut)
 
     def read_part_rows(self, source: str, layer_id: int, ids: list[int], parts: int,
                        digests: dict[int, str], out13: torch.Tensor, out2: torch.Tensor
@@ -263,26 +247,36 @@ class FabricReader:
         slices) of ``layer_id`` into ``out13[i]``, ``out2[i]`` (``[n, 2I/P, H]``, ``[n, H,
         I/P]``); ``digests``: this server's digest of each part's expert (the holder's must
         match). Returns the bytes read (0 where its region is mapped here: copied)."""
-        kept, lent = self._lease(source, ExportWeights(layer_id, list(ids), parts=parts))
+        def copy(i: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+            out13[i].copy_(w13)
+            out2[i].copy_(w2)
+
+        return self._each_lent_row(source, ExportWeights(layer_id, list(ids), parts=parts),
+                                   {i: digests[i // parts] for i in ids},
+                                   Part(0, parts).info(self.store.info), copy)
+
+    def _each_lent_row(self, source: str, request: ExportWeights, digests: dict[int, str],
+                       info: MoeModelInfo,
+                       use: Callable[[int, torch.Tensor, torch.Tensor], None]) -> int:
+        """``use(i, w13, w2)`` for each row the holder ``source`` lends for ``request`` (rows
+        of ``info``'s shape, the holder's dtype): views of its region where it is mapped
+        here, else each row read; the lease is given back after. Returns the bytes read."""
+        kept, lent = self._lease(source, request)
         try:
-            peer, dtype = self._connect(lent, ids, {i: digests[i // parts] for i in ids},
-                                        source)
+            peer, dtype = self._connect(lent, request.experts, digests, source)
             try:
-                info = Part(0, parts).info(self.store.info)
                 views = layer_views(peer, lent.rows, info, dtype, lent.w2_offset)
+                (a, b), (c, d) = row_shapes(info)
                 read = 0
                 for i, at in enumerate(lent.expert_rows):
-                    if views is None:
-                        staged13 = torch.empty(out13.shape[1:], dtype=dtype)
-                        staged2 = torch.empty(out2.shape[1:], dtype=dtype)
-                        peer.read(at * staged13.nbytes, staged13)
-                        peer.read(lent.w2_offset + at * staged2.nbytes, staged2)
-                        read += staged13.nbytes + staged2.nbytes
-                        out13[i].copy_(staged13)
-                        out2[i].copy_(staged2)
+                    if views is None:  # every access a transfer
+                        w13, w2 = torch.empty(a, b, dtype=dtype), torch.empty(c, d, dtype=dtype)
+                        peer.read(at * w13.nbytes, w13)
+                        peer.read(lent.w2_offset + at * w2.nbytes, w2)
+                        read += w13.nbytes + w2.nbytes
                     else:
-                        out13[i].copy_(views[0][at])
-                        out2[i].copy_(views[1][at])
+                        w13, w2 = views[0][at], views[1][at]
+                    use(i, w13, w2)
                 return read
             finally:
                 self._pool.submit(peer.close)
