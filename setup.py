@@ -20,12 +20,16 @@ setup(
     python_requires=">=3.10",
     # etcd3gw: the monitor's etcd backend (etcd's v3 HTTP gateway), imported only for etcd://.
     # ninja: torch's extension tooling builds the expert server's CPU kernel with it.
-    install_requires=["etcd3gw>=2.4", "ninja>=1.11"],
+    # sglang-router: SGLang's router (Rust), in front of prefill and decode instances (PD) and
+    # started by python -m sglang_eaas.deploy; PyYAML: deploy's config files.
+    install_requires=["etcd3gw>=2.4", "ninja>=1.11", "sglang-router==0.3.2", "PyYAML>=6"],
     # SGLang is not a hard requirement: on a CPU-only machine scripts/setup.sh installs it with
     # --no-deps plus requirements/sglang-cpu.txt, because its pinned CUDA kernels cannot install there.
     extras_require={
         "gpu": ["sglang==0.5.23"],
-        "test": ["pytest>=8", "hypothesis>=6", "requests>=2.31"],
+        # kubernetes-validate: the Kubernetes manifests in deploy/k8s checked against the API's
+        # schemas (test/test_k8s_manifests.py).
+        "test": ["pytest>=8", "hypothesis>=6", "requests>=2.31", "kubernetes-validate==1.37.0"],
         # The benchmark scripts' plots; 'datasets' for SGLang's own python -m sglang.bench_serving.
         "bench": ["matplotlib>=3.7", "datasets>=3"],
     },

@@ -20,7 +20,7 @@ from sglang_eaas import config, request_checks
 from sglang_eaas.client import (
     autoscale_hooks, esft_hooks, graph_check, overlap, sglang_moe, steps,
 )
-from sglang_eaas.cpu_runtime import attention, moe_native_ep, server_defaults
+from sglang_eaas.cpu_runtime import attention, moe_native_ep, pd, server_defaults
 from sglang_eaas.launcher import admin, prepare
 
 
@@ -179,7 +179,23 @@ HOOKS: tuple[Hook, ...] = (
         "sglang.srt.arg_groups.platform_hook.handle_cpu_backends",
         "AROUND",
         server_defaults.apply,
-        "CPU runtime defaults: torch_native attention, sleep-on-idle, per-rank core binding",
+        "CPU runtime defaults: torch_native attention, sleep-on-idle, per-rank core binding, "
+        "a PD decode instance's retraction backup in host tensors (not a CUDA-registered pool)",
+    ),
+    Hook(
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
+        "AFTER",
+        pd.plain_kv_indices,
+        "CPU runtime, PD prefill: KV page indices computed in place, not staged through pinned "
+        "memory and a CUDA event",
+    ),
+    Hook(
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
+        ".maybe_send_cached_prefix_chunk",
+        "AROUND",
+        pd.no_early_prefix_send,
+        "CPU runtime, PD prefill under overlap scheduling: a cached prefix goes with the "
+        "request's regular KV send (its early send records a CUDA event)",
     ),
     Hook(
         "sglang.srt.arg_groups.memory_hook.handle_gpu_memory_settings",

@@ -7,6 +7,7 @@
   rank's cores are given; the usable cores are split evenly across ranks (shared if too few).
 * ``--mem-fraction-static``: the ranks of one server share the host's memory instead of each
   sizing its KV pool to all of it (``size_kv_pools``; ``rank_mem_fraction`` has the arithmetic).
+* ``--disaggregation-decode-retraction-backup cpu_tensor`` on a PD decode instance (``pd``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from typing import Any, Callable
 
 from sglang_eaas import cpu_runtime
+from sglang_eaas.cpu_runtime import pd
 
 SOURCE = "sglang_eaas.cpu_runtime"
 # At most this share of the memory available when a server starts goes to the static memory
@@ -55,6 +57,9 @@ def apply(handle_cpu_backends: Callable[[Any], None], server_args: Any) -> None:
             os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_binding(
                 num_ranks, sorted(os.sched_getaffinity(0))
             )
+        backup = pd.retraction_backup(cfg)
+        if backup is not None:
+            declare_resolution(server_args, SOURCE, disaggregation_decode_retraction_backup=backup)
     handle_cpu_backends(server_args)
 
 
