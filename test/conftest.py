@@ -104,6 +104,18 @@ def monolithic_qwen3(tiny_qwen3):
     server.stop()
 
 
+TRAINED = ROOT / "models" / "tiny-moe-stdlib"  # committed: 32 experts, top-4, skewed routing
+
+
+@pytest.fixture(scope="session")
+def monolithic_trained():
+    """Plain SGLang (--tp 1, no --eaas, float32) on the trained checkpoint: the baseline of
+    the tests that serve it (trained model, PD deployments)."""
+    server = start_server(TRAINED, name="trained-monolithic")
+    yield server
+    server.stop()
+
+
 def greedy_tokens(server: SGLangServer, prompts=PROMPTS) -> list[list[int]]:
     return [server.generate(p, MAX_NEW_TOKENS)["output_ids"] for p in prompts]
 

@@ -12,16 +12,13 @@ import subprocess
 import sys
 import threading
 
-from pathlib import Path
-
 import pytest
-from conftest import start_server
+from conftest import TRAINED as MODEL, start_server
 from sglang_eaas.balance.load import read_dump, total
 from sglang_eaas.addresses import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang through the CPU runtime
 
-MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-moe-stdlib"
 PROMPTS = (
     'def read_config(path):\n    """',
     "import os\nimport sys\n\n\ndef main(",
@@ -34,10 +31,8 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def monolithic():
-    server = start_server(MODEL, name="trained-monolithic")
-    yield server
-    server.stop()
+def monolithic(monolithic_trained):
+    return monolithic_trained
 
 
 @pytest.fixture(scope="module")
