@@ -56,16 +56,18 @@ def expert_args(experts: PlacedExperts) -> list[str]:
 def start_local_servers(model_path: str | Path, placements: list[PlacedExperts], dtype: str,
                         max_clients: int, extra_args: tuple[str, ...] = (),
                         startup_timeout: float = 180.0, stdout=None,
-                        avoid_ports: frozenset[int] = frozenset()) -> list[LocalServer]:
+                        avoid_ports: frozenset[int] = frozenset(),
+                        host: str = "127.0.0.1") -> list[LocalServer]:
     """Start one expert server per placement entry; return them once all answer.
 
     The servers write to ``stdout`` (default: the caller's, so their lines land in the SGLang
     server log) and receive SIGTERM when the process that started them dies, however it dies.
-    ``avoid_ports``: ports that are taken though not bound yet (SGLang's own).
+    ``avoid_ports``: ports that are taken though not bound yet (SGLang's own). ``host``: the
+    address they listen on (a loopback one gets ``shm`` slots, another ``mooncake``).
     """
     servers = []
     for experts in placements:
-        address = f"127.0.0.1:{free_port(avoid_ports)}"
+        address = f"{host}:{free_port(avoid_ports)}"
         command = [sys.executable, "-m", "sglang_eaas.expert_server", "--model-path",
                    str(model_path), *expert_args(experts), "--listen", address,
                    "--dtype", dtype, "--max-clients", str(max_clients), *extra_args]

@@ -17,23 +17,26 @@ from sglang_eaas.addresses import free_port
 
 
 class EtcdProcess:
-    def __init__(self, log_path: str | Path | None = None):
+    """``host``: the address etcd listens on (default loopback; another host's clients need one
+    they can reach)."""
+
+    def __init__(self, log_path: str | Path | None = None, host: str = "127.0.0.1"):
         binary = shutil.which("etcd")
         if binary is None:
             raise FileNotFoundError("etcd is not installed: run scripts/setup.sh (Debian's "
                                     "etcd-server)")
         self._dir = tempfile.mkdtemp(prefix="eaas-etcd-")
         client, peer = free_port(), free_port()
-        self.address = f"127.0.0.1:{client}"
+        self.address = f"{host}:{client}"
         self.url = f"etcd://{self.address}"
         log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
             [binary, "--name", "eaas", "--data-dir", self._dir,
              "--listen-client-urls", f"http://{self.address}",
              "--advertise-client-urls", f"http://{self.address}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"eaas=http://127.0.0.1:{peer}",
+             "--listen-peer-urls", f"http://{host}:{peer}",
+             "--initial-advertise-peer-urls", f"http://{host}:{peer}",
+             "--initial-cluster", f"eaas=http://{host}:{peer}",
              "--heartbeat-interval", "50", "--election-timeout", "250"],
             stdout=log, stderr=subprocess.STDOUT)
 
