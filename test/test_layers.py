@@ -25,7 +25,7 @@ LAYERS = (
     {"client", "expert_server", "monitor", "status"},  # the processes' roles, side by side
     {"launcher"},
     {"plugin"},  # the hook table: on top of everything it hooks
-    {"tools"},  # commands
+    {"tools", "deploy"},  # commands (deploy: a whole local deployment)
 )
 LEVEL = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 

@@ -1,0 +1,255 @@
+"""``Deployment``: start a whole local deployment in order, watch it, stop it in reverse order.
+
+Start: the monitor (standalone or etcd) -> the expert servers (until each is registered and
+every expert of every MoE layer has a live holder) -> the SGLang instances, side by side (until
+each answers ``/health_generate``) -> the router (until ``/health`` answers and a real
+``/generate`` through it returns tokens). Stop, at ``stop()``, on leaving the ``with`` block and
+on any failure while starting: router -> SGLang instances -> expert servers -> monitor, each
+stage SIGTERMed as process groups and SIGKILLed after a grace period, until none of their
+processes is left.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from sglang_eaas import envs
+from sglang_eaas.deploy import parts, ready
+from sglang_eaas.deploy.config import ETCD, DeployConfig
+from sglang_eaas.deploy.processes import Child, stop_together
+from sglang_eaas.model_info import MoeModelInfo
+
+REPORT_EVERY = 15.0  # seconds between progress lines while waiting
+
+
+class DeployError(RuntimeError):
+    """A part did not start or stopped serving; the message says which and where its log is."""
+
+
+class Interrupted(DeployError):
+    """``interrupt()`` (a signal) came while starting."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One running part, as the table shows it."""
+
+    name: str
+    address: str
+    pid: int
+    log: Path
+
+
+class Deployment:
+    """One local deployment of ``config``; ``start()`` returns once it serves at ``url``."""
+
+    def __init__(self, config: DeployConfig, log_dir: str | Path | None = None,
+                 progress: Callable[[str], None] = lambda line: None,
+                 timeout: float = 600.0, stop_grace: float = 30.0,
+                 failure: Callable[[str], None] = lambda message: None):
+        self.config = config
+        stem = Path(config.source).stem if config.source != "<config>" else "deploy"
+        self.log_dir = Path(log_dir or Path(".cache/logs/deploy")
+                            / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+        self.progress, self.timeout, self.stop_grace = progress, timeout, stop_grace
+        self.failure = failure  # told why a start failed, before the parts started are stopped
+        self.token = envs.TOKEN.get() or secrets.token_hex(16)
+        self.env = {**os.environ, envs.TOKEN.name: self.token}  # never on a command line
+        self.stages: list[list[Child]] = []  # in start order
+        self.url: str | None = None  # the router's, once serving
+        self.monitor_url: str | None = None
+        self._etcd_dir: str | None = None
+        # plain flags, not threading.Event: a signal handler sets them, and Event.set() from a
+        # handler can deadlock with the main thread inside Event.wait()
+        self._interrupted = self._hurry = False
+        self._stopped, self._stop_notes = False, []
+
+    # -- the API ------------------------------------------------------------------------------
+    def start(self) -> "Deployment":
+        try:
+            self._start()
+        except BaseException as exc:
+            if isinstance(exc, DeployError) and not isinstance(exc, Interrupted):
+                self.failure(str(exc))
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> list[str]:
+        """Stop every part started, in reverse order; lines about parts that had to be killed
+        or left processes (none, normally). Idempotent."""
+        if self._stopped:
+            return self._stop_notes
+        self._stopped = True
+        notes = self._stop_notes
+        for stage in reversed(self.stages):
+            started = [c for c in stage if c.process is not None]
+            if not started:
+                continue
+            names = ", ".join(c.name for c in started)
+            t0 = time.monotonic()
+            self.progress(f"deploy: stopping {names}")
+            notes += stop_together(started, self.stop_grace, lambda: self._hurry)
+            self.progress(f"deploy: stopped {names} ({time.monotonic() - t0:.1f}s)")
+        left = [f"{c.name}: {c.left()}" for stage in self.stages for c in stage if c.left()]
+        if left:
+            notes.append("processes still there after SIGKILL: " + "; ".join(left))
+        if self._etcd_dir:
+            shutil.rmtree(self._etcd_dir, ignore_errors=True)
+        return notes
+
+    def interrupt(self) -> None:
+        """Make a running ``start()`` stop what it started and raise ``Interrupted``
+        (safe from a signal handler)."""
+        self._interrupted = True
+
+    @property
+    def interrupted(self) -> bool:
+        return self._interrupted
+
+    def wait_interrupt(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``interrupt()``; whether it came."""
+        deadline = time.monotonic() + timeout
+        while not self._interrupted and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self._interrupted
+
+    def hurry(self) -> None:
+        """Make a running ``stop()`` SIGKILL what is left at once."""
+        self._hurry = True
+
+    def endpoints(self) -> list[Endpoint]:
+        return [Endpoint(c.name, c.address, c.pid, c.log_path)
+                for stage in self.stages for c in stage if c.process is not None]
+
+    def children(self) -> list[Child]:
+        return [c for stage in self.stages for c in stage if c.process is not None]
+
+    def dead(self) -> Child | None:
+        """A part whose main process has exited (while serving, that ends the deployment)."""
+        for child in self.children():
+            child.note_tree()
+            if child.exit_code() is not None:
+                return child
+        return None
+
+    def __enter__(self) -> "Deployment":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- starting -----------------------------------------------------------------------------
+    def _start(self) -> None:
+        cfg, ports = self.config, parts.Ports(set())
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.progress(f"deploy: logs in {self.log_dir}")
+        if cfg.sglang.eaas:
+            self._start_expert_tier(ports)
+        sglang = parts.sglang_parts(cfg, self.monitor_url, ports, self.log_dir)
+        for part in sglang:
+            self.progress(f"deploy: starting {part.child.name} on {part.url}")
+        self._launch([p.child for p in sglang])
+        waiting = {p.child.name: p for p in sglang}
+
+        def serving() -> str | None:
+            for name, part in list(waiting.items()):
+                if ready.http_ok(part.url, "/health_generate"):
+                    del waiting[name]
+                    self.progress(f"deploy: {name} serves on {part.url}")
+            return ", ".join(f"{n} (/health_generate)" for n in waiting) or None
+
+        self._wait("SGLang instances", serving)
+        router, self.url = parts.router_child(cfg, sglang, ports, self.log_dir)
+        self.progress(f"deploy: starting the router on {self.url}")
+        self._launch([router])
+        self._wait("router", lambda: ready.router(self.url))
+
+    def _start_expert_tier(self, ports: parts.Ports) -> None:
+        cfg = self.config
+        if cfg.monitor.kind == ETCD:
+            self._etcd_dir = tempfile.mkdtemp(prefix="eaas-deploy-etcd-")
+        monitor, self.monitor_url = parts.monitor_child(
+            cfg, ports, self.log_dir, Path(self._etcd_dir) if self._etcd_dir else None)
+        if monitor is not None:
+            self.progress(f"deploy: starting {monitor.name} on {monitor.address}")
+            self._launch([monitor])
+            check = (ready.etcd if cfg.monitor.kind == ETCD
+                     else lambda url: ready.monitor(url, self.token))
+            self._wait(monitor.name, lambda: check(self.monitor_url))
+        else:
+            self._wait("the monitor", lambda: ready.monitor(self.monitor_url, self.token))
+        servers = parts.expert_server_children(cfg, self.monitor_url, ports, self.log_dir,
+                                               self._expert_dtype())
+        self.progress(f"deploy: starting {len(servers)} expert servers on "
+                      f"{', '.join(s.address for s in servers)}")
+        self._launch(servers)
+        info = MoeModelInfo.from_model_path(cfg.model)
+        addresses = [s.address for s in servers]
+        self._wait("expert servers",
+                   lambda: ready.expert_tier(self.monitor_url, self.token, addresses, info))
+
+    def _expert_dtype(self) -> str:
+        """The dtype SGLang computes in, which the expert servers hold their weights in."""
+        given = self.config.sglang.dtype
+        if given and given != "auto":
+            return given
+        with warnings.catch_warnings():  # SGLang's import warns of GPU-only quantizations
+            warnings.simplefilter("ignore")
+            from sglang_eaas.launcher.prepare import sglang_dtype  # imports SGLang: seconds
+
+            return sglang_dtype(str(self.config.model), "auto")
+
+    def _launch(self, children: list[Child]) -> None:
+        self.stages.append(children)
+        for child in children:
+            self._check_interrupt()
+            child.start(self.env)
+
+    def _wait(self, what: str, waiting_for: Callable[[], str | None]) -> None:
+        """Until ``waiting_for()`` is None; ``DeployError`` when a part started exits or
+        after ``timeout`` seconds."""
+        t0 = last = time.monotonic()
+        while True:
+            self._check_interrupt()
+            child = self.dead()
+            if child is not None:
+                raise DeployError(
+                    f"{child.name} (pid {child.pid}) exited with code {child.exit_code()} "
+                    f"while the deployment started; its log {child.log_path} ends with:\n"
+                    + _indent(child.log_tail()))
+            left = waiting_for()
+            elapsed = time.monotonic() - t0
+            if left is None:
+                self.progress(f"deploy: {what} ready ({elapsed:.0f}s)")
+                return
+            if elapsed > self.timeout:
+                raise DeployError(f"{what} not ready after {self.timeout:.0f}s: still waiting "
+                                  f"for {left}; see the logs in {self.log_dir}")
+            if time.monotonic() - last > REPORT_EVERY:
+                self.progress(f"deploy: waiting for {left} ({elapsed:.0f}s)")
+                last = time.monotonic()
+            self.wait_interrupt(0.5)
+
+    def _check_interrupt(self) -> None:
+        if self._interrupted:
+            raise Interrupted("interrupted while starting")
+
+
+def format_table(endpoints: list[Endpoint]) -> str:
+    rows = [("PART", "ADDRESS", "PID", "LOG")] + [
+        (e.name, e.address, str(e.pid), str(e.log)) for e in endpoints]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines()) or "    (empty)"

@@ -1,0 +1,364 @@
+"""``python -m sglang_eaas.deploy CONFIG.yaml``: a whole local deployment from one config.
+
+Bad configs are refused with one sentence naming the field and start nothing; ``--check`` prints
+every part's command (never the token); a part that cannot start stops the deployment with its
+name and log, leaving no process; a child ignoring SIGTERM is killed after the grace period with
+its own children. One full deployment (standalone monitor, 2 expert servers, a prefill and a
+decode instance, both ``--eaas``, the router) is started as the command a user types: greedy
+tokens through its router equal monolithic SGLang's, and after SIGTERM it exits 0 with none of
+the processes it started left, nor their shared-memory files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+import yaml
+from conftest import ROOT, start_server
+
+from sglang_eaas.deploy import DeployConfigError, load_config, parse_config
+from sglang_eaas.deploy.processes import Child, stop_together
+from sglang_eaas.tools.server_process import CPU_ARGS
+
+MODEL = ROOT / "models" / "tiny-moe-stdlib"
+PROMPTS = ("def fib(n):", "import json\n\n\ndef load(path):", "class Stack:\n    def push(self",
+           "    while True:\n        line =")
+NEW_TOKENS = 16
+SGLANG_ARGS = [*CPU_ARGS, "--dtype", "float32", "--eaas-poll-spin-us", "0"]
+
+
+def deploy(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sglang_eaas.deploy", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
+
+
+def config(**changes) -> dict:
+    """A valid PD config of the trained model, with top-level sections replaced."""
+    base = {"model": str(MODEL), "monitor": "standalone", "expert_servers": {"count": 2},
+            "sglang": {"args": SGLANG_ARGS, "prefill": {"count": 1}, "decode": {"count": 1}},
+            "router": {"port": 0}}
+    return {**base, **changes}
+
+
+# -- refusals: one sentence naming the field, nothing started ---------------------------------
+def _without(key: str) -> dict:
+    data = config()
+    del data[key]
+    return data
+
+
+REFUSED = [
+    (config(expert_servers={"count": 0}),
+     "expert_servers.count: must be a positive integer, got 0"),
+    (config(expert_servers={"count": 2, "replicas": 3}),
+     "expert_servers.replicas: 3 copies of each expert need at least 3 servers, count is 2"),
+    (config(expert_servers={"count": 40}), "expert_servers.count: 40 servers for 32 experts"),
+    (config(expert_servers={"count": 2, "placement": "p.yaml"}),
+     "expert_servers: give one of count, placement and experts, not count and placement"),
+    (config(expert_servers={"experts": ["0-15", "16-30"]}),
+     "expert_servers.experts: MoE layer 0: experts [31] are on no expert server"),
+    (config(expert_servers={"experts": ["0-15", "16-32"]}),
+     "expert_servers.experts[1]: expert 32 does not exist: the model has 32"),
+    (config(expert_servers={"count": 2, "args": "--kernel fast"}),
+     "expert_servers.args: must be a list of command-line arguments (strings)"),
+    (config(expert_servers={"count": 2, "args": ["--listen", "127.0.0.1:1"]}),
+     "expert_servers.args: --listen is set by the deployment itself"),
+    (config(expert_servers={"placement": "/nonexistent/p.yaml"}),
+     "expert_servers.placement: /nonexistent/p.yaml: cannot read it"),
+    (config(routers={"port": 1}), "routers: unknown field"),
+    (config(sglang={"prefil": {"count": 1}}), "sglang.prefil: unknown field"),
+    (config(sglang={"prefill": {"count": 1}}),
+     "sglang.decode: a PD deployment needs decode instances too"),
+    (config(sglang={"plain": {"count": 1}, "prefill": {}, "decode": {}}),
+     "sglang.plain: give plain instances or prefill and decode instances, not both"),
+    (config(sglang={"args": ["--port", "8000"]}),
+     "sglang.args: --port is set by the deployment itself; remove it"),
+    (config(sglang={"decode": {"args": ["--eaas-monitor=1.2.3.4:5"]}, "prefill": {}}),
+     "sglang.decode.args: --eaas-monitor is set by the deployment itself; use monitor"),
+    (config(sglang={"eaas": "yes"}), "sglang.eaas: must be true or false, got 'yes'"),
+    (config(sglang={"args": ["--dtype", "float32"], "prefill": {"args": ["--dtype", "half"]},
+                    "decode": {}}),
+     "sglang: the instances are given different --dtype values (float32, half)"),
+    (config(sglang={"plain": {}, "transfer_backend": "mooncake"}),
+     "sglang.transfer_backend: only PD instances (prefill and decode) transfer KV"),
+    (config(sglang={"eaas": False, "plain": {}}),
+     "monitor: sglang.eaas is false, so no monitor is used"),
+    (config(monitor="zk://h:1"), "monitor: 'zk://h:1': the only monitor URL scheme is etcd://"),
+    (config(router={"port": 70000}), "router.port: must be a port number in 1-65535"),
+    (config(router={"args": ["--worker-urls", "http://x:1"]}),
+     "router.args: --worker-urls is set by the deployment itself; remove it"),
+    (config(model="/nonexistent/model"),
+     "model: /nonexistent/model is not a checkpoint folder (it has no config.json)"),
+    (_without("model"), "model: required field is missing"),
+    ([1, 2], "<config>: must be a mapping with at least 'model', got a list"),
+]
+
+
+@pytest.mark.parametrize("data,sentence", REFUSED, ids=[s.split(":")[0] for _, s in REFUSED])
+def test_a_bad_config_is_one_sentence_naming_the_field(data, sentence):
+    with pytest.raises(DeployConfigError) as refused:
+        parse_config(data)
+    message = str(refused.value)
+    assert message.startswith(sentence), message
+    assert "\n" not in message
+
+
+def test_the_command_refuses_a_bad_config_in_one_line_and_starts_nothing(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config(expert_servers={"count": 0})))
+    logs = tmp_path / "logs"
+    result = deploy(str(path), "--log-dir", str(logs))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "error: expert_servers.count: must be a positive integer, got 0\n"
+    assert result.stdout == "" and not logs.exists()
+    path.write_text("model: [unclosed\n")
+    result = deploy(str(path))
+    assert result.returncode == 2
+    assert re.fullmatch(r"error: \S+bad.yaml: not valid YAML at line 2, column 1 \(.*\)\n",
+                        result.stderr), result.stderr
+
+
+def test_the_example_configs_are_valid():
+    for name in ("local-pd.yaml", "local-plain.yaml"):
+        cfg = load_config(ROOT / "examples" / "deploy" / name)
+        assert cfg.sglang.eaas and len(cfg.expert_servers) == 2
+
+
+def test_replicas_put_every_expert_on_that_many_servers():
+    cfg = parse_config(config(expert_servers={"count": 3, "replicas": 2}))
+    held = [e for server in cfg.expert_servers for e in server.experts]
+    assert sorted(held) == sorted(list(range(32)) * 2)
+    assert all(len(set(s.experts)) == len(s.experts) for s in cfg.expert_servers)
+
+
+def test_check_prints_every_part_in_start_order_without_the_token(tmp_path):
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump(config()))
+    token = "deploy-check-token-f00d"
+    result = deploy(str(path), "--check", env={**os.environ, "SGLANG_EAAS_TOKEN": token})
+    assert result.returncode == 0, result.stderr
+    names = re.findall(r"^  ([\w-]+): ", result.stdout, re.M)
+    assert names == ["monitor", "expert-server-0", "expert-server-1", "prefill-0", "decode-0",
+                     "router"]
+    assert "--disaggregation-mode prefill" in result.stdout
+    assert "--pd-disaggregation --prefill" in result.stdout
+    assert token not in result.stdout
+
+
+# -- stopping -----------------------------------------------------------------------------
+def test_a_child_ignoring_sigterm_is_killed_with_its_children(tmp_path):
+    stubborn = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, "
+                "signal.SIG_IGN); subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); "
+                "time.sleep(600)")
+    child = Child("stubborn", [sys.executable, "-c", stubborn], "-", tmp_path / "s.log")
+    child.start(dict(os.environ))
+    deadline = time.monotonic() + 30
+    while len(child.left()) < 2:  # itself and its child
+        child.note_tree()
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    tree = child.left()
+    t0 = time.monotonic()
+    notes = stop_together([child], grace=1.0)
+    assert 1.0 <= time.monotonic() - t0 < 15
+    assert len(notes) == 1 and notes[0].startswith("stubborn: processes ")
+    assert child.left() == []
+    assert not [p for p in tree if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_part_that_cannot_start_stops_the_deployment_naming_it(tmp_path):
+    """An expert server refusing its flags: the deployment says which part and where its log
+    is, stops the monitor it started and exits 1."""
+    path = tmp_path / "bad-server.yaml"
+    path.write_text(yaml.safe_dump(config(expert_servers={"count": 2,
+                                                          "args": ["--kernel", "nonsense"]})))
+    result = deploy(str(path), "--log-dir", str(tmp_path / "logs"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"error: expert-server-\d \(pid \d+\) exited with code 2 while the "
+                     r"deployment started; its log \S+expert-server-\d.log ends with:",
+                     result.stderr), result.stderr
+    assert "invalid choice: 'nonsense'" in result.stderr
+    monitor = re.search(r"starting monitor on (\S+)", result.stdout).group(1)
+    assert "deploy: stopped monitor" in result.stdout
+    assert not _accepts(monitor)
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if monitor in " ".join(p.info["cmdline"] or ())]
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed "
+                    "(scripts/setup.sh installs Debian's etcd-server)")
+def test_an_etcd_tier_is_stopped_when_an_sglang_instance_cannot_start(tmp_path):
+    """etcd as the monitor, every expert on both servers: the servers register there, then the
+    SGLang instance refuses a flag; the deployment names it and stops everything in reverse
+    order, etcd's data folder removed."""
+    path = tmp_path / "etcd.yaml"
+    path.write_text(yaml.safe_dump(config(
+        monitor="etcd", expert_servers={"count": 2, "replicas": 2},
+        sglang={"args": ["--dtype", "float32", "--no-such-flag"]})))
+    result = deploy(str(path), "--log-dir", str(tmp_path / "logs"), timeout=300)
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert "deploy: expert servers ready" in out
+    assert re.search(r"^error: plain-0 \(pid \d+\) exited with code 2 while the deployment "
+                     r"started; its log \S+plain-0.log ends with:$", result.stderr, re.M)
+    assert "unrecognized arguments: --no-such-flag" in result.stderr
+    assert out.index("stopping plain-0") < out.index(
+        "stopping expert-server-0, expert-server-1") < out.index("stopping etcd")
+    etcd = re.search(r"starting etcd on etcd://(\S+)", out).group(1)
+    servers = re.search(r"starting 2 expert servers on (\S+), (\S+)\n", out).groups()
+    assert not [p for p in psutil.process_iter(["cmdline"]) for address in (etcd, *servers)
+                if address in " ".join(p.info["cmdline"] or ())]
+    data_dir = re.search(r"data dir = (\S+)", (tmp_path / "logs" / "etcd.log").read_text())
+    assert data_dir and not Path(data_dir.group(1)).exists()
+
+
+# -- plans ---------------------------------------------------------------------------------
+def test_a_placement_file_gives_each_server_its_experts_and_address(tmp_path):
+    placement = tmp_path / "placement.yaml"
+    placement.write_text("servers:\n  '127.0.0.1:7101': [0-15]\n")
+    with pytest.raises(DeployConfigError, match=r"^expert_servers.placement: .*placement.yaml: "
+                       r"server '127.0.0.1:7101' lists '0-15', which is not an expert id"):
+        parse_config(config(expert_servers={"placement": str(placement)}))
+    layers = {0: list(range(32)), 1: list(range(16)), 2: list(range(32)), 3: list(range(32))}
+    placement.write_text(yaml.safe_dump({"servers": {
+        "127.0.0.1:7101": list(range(32)), "127.0.0.1:7102": layers}}))
+    cfg = parse_config(config(expert_servers={"placement": str(placement)}))
+    assert [(s.name, s.listen, s.experts) for s in cfg.expert_servers] == [
+        ("expert-server-0", "127.0.0.1:7101", list(range(32))),
+        ("expert-server-1", "127.0.0.1:7102", layers)]
+
+
+def test_log_files_name_each_part(tmp_path):
+    """The parts' log files are NAME.log in --log-dir (what the table shows)."""
+    from sglang_eaas.deploy import parts
+
+    cfg = parse_config(config())
+    logs = Path("/logs")
+    ports = parts.Ports(set())
+    monitor, url = parts.monitor_child(cfg, ports, logs, None)
+    servers = parts.expert_server_children(cfg, url, ports, logs, "float32")
+    sglang = parts.sglang_parts(cfg, url, ports, logs)
+    router, _ = parts.router_child(cfg, sglang, ports, logs)
+    children = [monitor, *servers, *(p.child for p in sglang), router]
+    assert [c.log_path.name for c in children] == [
+        "monitor.log", "expert-server-0.log", "expert-server-1.log", "prefill-0.log",
+        "decode-0.log", "router.log"]
+    listening = [int(c.address.rsplit(":", 1)[1].split()[0]) for c in children]
+    assert len(set(listening)) == len(listening)
+
+
+# -- a full PD deployment -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def monolithic_tokens():
+    """Greedy tokens of monolithic SGLang (no PD, no EaaS), the server stopped after."""
+    server = start_server(MODEL, name="deploy-monolithic")
+    try:
+        return [server.generate(p, NEW_TOKENS)["output_ids"] for p in PROMPTS]
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only  # SGLang with --device cpu
+def test_pd_deployment_serves_like_monolithic_and_stops_leaving_nothing(
+        tmp_path, monolithic_tokens):
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump(config()))
+    command = subprocess.Popen(
+        [sys.executable, "-m", "sglang_eaas.deploy", str(path), "--log-dir",
+         str(tmp_path / "logs")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(command.stdout), daemon=True)
+    reader.start()
+    try:
+        url = _wait_serving(command, lines, timeout=900)
+        tree = _tree(command.pid)
+        table = dict(re.findall(r"^([\w-]+) +\S+.* (\d+) +\S+\.log$", "".join(lines), re.M))
+        assert list(table) == ["monitor", "expert-server-0", "expert-server-1", "prefill-0",
+                               "decode-0", "router"], table
+        assert {int(pid) for pid in table.values()} <= {pid for pid, _, _ in tree}
+        assert len(tree) > len(table)  # SGLang's schedulers and detokenizers, in the tree too
+        token = os.environ["SGLANG_EAAS_TOKEN"]
+        assert not [cmd for _, _, cmd in tree if token in " ".join(cmd)]
+        got = [_generate(url, p) for p in PROMPTS]
+        assert got == monolithic_tokens
+        command.send_signal(signal.SIGTERM)
+        assert command.wait(180) == 0, "".join(lines)
+    finally:
+        if command.poll() is None:
+            os.killpg(command.pid, signal.SIGKILL)
+    reader.join(10)
+    output = "".join(lines)
+    assert output.index("deploy: stopping router") < output.index(
+        "deploy: stopping prefill-0, decode-0") < output.index(
+        "deploy: stopping expert-server-0, expert-server-1") < output.index(
+        "deploy: stopping monitor")
+    assert output.rstrip().endswith("deploy: stopped, no process left")
+    left = [(pid, cmd) for pid, created, cmd in tree if _same_alive(pid, created)]
+    assert not left
+    shm = [f for f in os.listdir("/dev/shm")
+           if any(f.startswith(f"ibgda-{pid}-") for pid, _, _ in tree)]
+    assert not shm
+    assert not _accepts(url.removeprefix("http://"))
+
+
+def _wait_serving(command: subprocess.Popen, lines: list[str], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in list(lines):
+            if line.startswith("deploy: serving at "):
+                return line.split()[3]
+        assert command.poll() is None, "deploy exited:\n" + "".join(lines)
+        time.sleep(0.5)
+    raise AssertionError("deploy did not serve in time:\n" + "".join(lines))
+
+
+def _tree(pid: int) -> list[tuple[int, float, list[str]]]:
+    """Every process under ``pid`` now: (pid, create time, command line)."""
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            out.append((p.pid, p.create_time(), p.cmdline()))
+        except psutil.Error:
+            pass
+    return out
+
+
+def _same_alive(pid: int, created: float) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _generate(url: str, prompt: str) -> list[int]:
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS,
+                                                 "temperature": 0.0, "ignore_eos": True}}
+    reply = requests.post(f"{url}/generate", json=body, timeout=300)
+    reply.raise_for_status()
+    return reply.json()["output_ids"]
+
+
+def _accepts(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
