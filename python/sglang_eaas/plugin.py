@@ -46,7 +46,7 @@ def _from_cli_args(server_args: Any, cls: type, args: Any) -> Any:
     try:
         eaas = config.from_cli_args(args)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        raise config.Refusal(str(exc)) from None
     if eaas is not None:
         server_args._eaas = eaas  # bookkeeping attribute: pickled along to every worker
         overlap.resolve(server_args)

@@ -27,8 +27,9 @@ def lora_args(cls: type, args: argparse.Namespace) -> None:
                                                 or getattr(args, "eaas_esft_adapters", None)):
         return
     if getattr(args, "lora_paths", None) or getattr(args, "enable_lora", None) is False:
-        raise SystemExit("error: --eaas-esft serves ESFT adapters in SGLang's LoRA slots: drop "
-                         "--lora-paths/--enable-lora (LoRA and ESFT adapters do not mix)")
+        raise eaas_config.Refusal("--eaas-esft serves ESFT adapters in SGLang's LoRA slots: "
+                                  "drop --lora-paths/--enable-lora (LoRA and ESFT adapters do "
+                                  "not mix)")
     adapters = args.eaas_esft_adapters or ()
     args.enable_lora = True
     args.lora_paths = [f"{name}={path}" for name, path in adapters] or None

@@ -30,6 +30,7 @@ from sglang_eaas.config import (
     EaasConfig,
     LocalServers,
     LocalSpawn,
+    Refusal,
     RemoteServers,
 )
 from sglang_eaas.cores import shares_cores
@@ -44,6 +45,22 @@ from sglang_eaas.routing_table import RoutingTable
 
 logger = logging.getLogger(__name__)
 LAUNCH_ERRORS = (PlacementError, TransportError, ModelError)  # one sentence each
+# What this process started for the tier (the embedded monitor, local expert servers), stopped
+# last-started first: at exit, or before by ``stop_started()``.
+_started = contextlib.ExitStack()
+
+
+def _stop_later(stop: Callable[[], Any]) -> None:
+    """Run ``stop`` at ``stop_started()`` or at exit, whichever comes first."""
+    _started.callback(stop)
+    atexit.register(_started.close)  # a second close finds nothing left to stop
+
+
+def stop_started() -> None:
+    """Stop what this process started for the tier now (local expert servers SIGTERMed and
+    waited for, then the embedded monitor closed): ``sglang_eaas.Engine.shutdown``, where the
+    process goes on after its engine."""
+    _started.close()
 
 
 def probe(address: str, timeout: float = 10.0) -> control.ServerStats:
@@ -127,7 +144,7 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
             local = start_local_servers(
                 model_path, placements, spawn.dtype, spawn.max_clients,
                 avoid_ports=sglang_ports, extra_args=("--monitor", cfg.monitor, *spawn.flags))
-            atexit.register(lambda: [s.stop() for s in local])
+            _stop_later(lambda: [s.stop() for s in local])
             wait_registered(cfg.monitor, [s.address for s in local])
         return dataclasses.replace(cfg, expert_servers=RemoteServers(
             tuple(s.address for s in local)), placement=None, transport=backend, spawn=spawn,
@@ -205,7 +222,7 @@ def start_monitor(cfg: EaasConfig, avoid_ports: frozenset[int] = frozenset()) ->
     except OSError as exc:
         raise TransportError(f"cannot start the embedded monitor on {spec.address}: "
                              f"{exc.strerror or exc}") from None
-    atexit.register(monitor.close)
+    _stop_later(monitor.close)
     logger.info("sglang-eaas: embedded monitor on %s (loss timeout %ss)", monitor.address,
                 cfg.loss_timeout)
     return monitor.address
@@ -268,8 +285,8 @@ def registered_servers(cfg: EaasConfig, info: MoeModelInfo) -> EaasConfig:
 
 def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **kwargs):
     """AROUND ``Engine._launch_subprocesses``: what cannot serve ends the launch here, with
-    one sentence and exit status 1 (``SystemExit``: SGLang's launcher lets it through, and
-    the local servers started so far stop at exit)."""
+    one sentence and exit status 1 (``Refusal``, a ``SystemExit``: SGLang's launcher lets it
+    through, and the local servers started so far stop at exit)."""
     cfg = getattr(server_args, "_eaas", None)
     if cfg is not None:
         if cfg.token:
@@ -280,5 +297,5 @@ def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **
                                                        server_args.dtype, ranks,
                                                        frozenset({server_args.port}))
         except (LaunchError, *LAUNCH_ERRORS) as exc:
-            raise SystemExit(f"error: {exc}") from None
+            raise Refusal(str(exc)) from None
     return launch(cls, server_args, *args, **kwargs)
