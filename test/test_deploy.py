@@ -3,10 +3,15 @@
 Bad configs are refused with one sentence naming the field and start nothing; ``--check`` prints
 every part's command (never the token); a part that cannot start stops the deployment with its
 name and log, leaving no process; a child ignoring SIGTERM is killed after the grace period with
-its own children. One full deployment (standalone monitor, 2 expert servers, a prefill and a
-decode instance, both ``--eaas``, the router) is started as the command a user types: greedy
-tokens through its router equal monolithic SGLang's, and after SIGTERM it exits 0 with none of
-the processes it started left, nor their shared-memory files.
+its own children.
+
+One full PD deployment, started as the command a user types: a standalone monitor, two expert
+servers each holding every expert, a prefill and a decode instance (``--disaggregation-mode``,
+KV over SGLang's Mooncake backend on TCP), both ``--eaas`` clients of the pool, SGLang's router
+in front. On the trained checkpoint (top-4, float32) greedy tokens through router -> prefill ->
+decode equal monolithic SGLang's without PD; an expert server SIGKILLed while eight streams
+decode loses no request and changes no token, and the deployment starts it again; after SIGTERM
+it exits 0 with none of the processes it started left, nor their shared-memory files.
 """
 
 from __future__ import annotations
@@ -20,22 +25,28 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 import requests
 import yaml
-from conftest import ROOT, start_server
+from conftest import ROOT, TRAINED
+from streams import concurrent_streams
 
 from sglang_eaas.deploy import DeployConfigError, load_config, parse_config
 from sglang_eaas.deploy.processes import Child, stop_together
+from sglang_eaas.protocol.control import probe
 from sglang_eaas.tools.server_process import CPU_ARGS
 
-MODEL = ROOT / "models" / "tiny-moe-stdlib"
+MODEL = TRAINED
 PROMPTS = ("def fib(n):", "import json\n\n\ndef load(path):", "class Stack:\n    def push(self",
            "    while True:\n        line =")
 NEW_TOKENS = 16
+STREAMS = (*PROMPTS, "from collections import", "# Copyright", "def __repr__(self):",
+           "    raise ValueError(")  # eight
+STREAM_TOKENS = 40
 SGLANG_ARGS = [*CPU_ARGS, "--dtype", "float32", "--eaas-poll-spin-us", "0"]
 
 
@@ -262,59 +273,112 @@ def test_log_files_name_each_part(tmp_path):
 
 
 # -- a full PD deployment -----------------------------------------------------------------
+@dataclass
+class Running:
+    """The deploy command serving: its process, output lines, router URL and table."""
+
+    command: subprocess.Popen
+    lines: list[str]
+    url: str
+    table: dict[str, tuple[str, int]]  # part -> (address, pid)
+    tree: list[tuple[int, float, list[str]]]  # every process under it, as seen so far
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, line: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(seen.startswith(line) for seen in list(self.lines)):
+            assert self.command.poll() is None, "deploy exited:\n" + self.output()
+            assert time.monotonic() < deadline, f"no {line!r} in:\n{self.output()}"
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
-def monolithic_tokens():
-    """Greedy tokens of monolithic SGLang (no PD, no EaaS), the server stopped after."""
-    server = start_server(MODEL, name="deploy-monolithic")
-    try:
-        return [server.generate(p, NEW_TOKENS)["output_ids"] for p in PROMPTS]
-    finally:
-        server.stop()
-
-
-@pytest.mark.slow
-@pytest.mark.cpu_only  # SGLang with --device cpu
-def test_pd_deployment_serves_like_monolithic_and_stops_leaving_nothing(
-        tmp_path, monolithic_tokens):
-    path = tmp_path / "pd.yaml"
-    path.write_text(yaml.safe_dump(config()))
+def pd_deployment(tmp_path_factory):
+    """``python -m sglang_eaas.deploy`` on a PD config with every expert on both servers, as a
+    user starts it; SIGKILLed at the end if a test left it running."""
+    tmp = tmp_path_factory.mktemp("pd")
+    path = tmp / "pd.yaml"
+    path.write_text(yaml.safe_dump(config(expert_servers={"count": 2, "replicas": 2})))
     command = subprocess.Popen(
-        [sys.executable, "-m", "sglang_eaas.deploy", str(path), "--log-dir",
-         str(tmp_path / "logs")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
+        [sys.executable, "-m", "sglang_eaas.deploy", str(path), "--log-dir", str(tmp / "logs")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(command.stdout), daemon=True)
     reader.start()
     try:
         url = _wait_serving(command, lines, timeout=900)
-        tree = _tree(command.pid)
-        table = dict(re.findall(r"^([\w-]+) +\S+.* (\d+) +\S+\.log$", "".join(lines), re.M))
-        assert list(table) == ["monitor", "expert-server-0", "expert-server-1", "prefill-0",
-                               "decode-0", "router"], table
-        assert {int(pid) for pid in table.values()} <= {pid for pid, _, _ in tree}
-        assert len(tree) > len(table)  # SGLang's schedulers and detokenizers, in the tree too
-        token = os.environ["SGLANG_EAAS_TOKEN"]
-        assert not [cmd for _, _, cmd in tree if token in " ".join(cmd)]
-        got = [_generate(url, p) for p in PROMPTS]
-        assert got == monolithic_tokens
-        command.send_signal(signal.SIGTERM)
-        assert command.wait(180) == 0, "".join(lines)
+        rows = re.findall(r"^([\w-]+) +(\S+).* (\d+) +\S+\.log$", "".join(lines), re.M)
+        yield Running(command, lines, url, {name: (address, int(pid))
+                                            for name, address, pid in rows}, _tree(command.pid))
     finally:
         if command.poll() is None:
             os.killpg(command.pid, signal.SIGKILL)
-    reader.join(10)
-    output = "".join(lines)
+        reader.join(10)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only  # SGLang with --device cpu
+def test_pd_deployment_serves_like_monolithic(pd_deployment, monolithic_trained):
+    running = pd_deployment
+    assert list(running.table) == ["monitor", "expert-server-0", "expert-server-1", "prefill-0",
+                                   "decode-0", "router"], running.table
+    assert {pid for _, pid in running.table.values()} <= {pid for pid, _, _ in running.tree}
+    assert len(running.tree) > len(running.table)  # SGLang's schedulers and detokenizers too
+    token = os.environ["SGLANG_EAAS_TOKEN"]
+    assert not [cmd for _, _, cmd in running.tree if token in " ".join(cmd)]
+    expected = [monolithic_trained.generate(p, NEW_TOKENS)["output_ids"] for p in PROMPTS]
+    assert [_generate(running.url, p) for p in PROMPTS] == expected
+    # Both instances are clients of the one pool: each server has the prefill's and the
+    # decode's rank joined.
+    servers = [running.table[f"expert-server-{i}"][0] for i in range(2)]
+    assert [probe(a, token).clients for a in servers] == [2, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only  # SGLang with --device cpu
+def test_an_expert_server_killed_during_pd_serving_loses_no_request_and_comes_back(
+        pd_deployment, monolithic_trained):
+    """Eight streams through router -> prefill -> decode; expert-server-0 SIGKILLed while
+    they decode: the other holder of every expert takes its tokens mid-layer, no request fails
+    and no token changes; the deployment starts it again and it rejoins the tier."""
+    running = pd_deployment
+    expected = concurrent_streams(monolithic_trained.url, STREAMS, STREAM_TOKENS)
+    _, victim = running.table["expert-server-0"]
+
+    def kill():
+        time.sleep(0.3)  # a few decode steps in
+        os.kill(victim, signal.SIGKILL)
+
+    assert concurrent_streams(running.url, STREAMS, STREAM_TOKENS, kill) == expected
+    running.wait_for("deploy: expert-server-0 is back")
+    assert f"deploy: expert-server-0 (pid {victim}) exited with code -9 while serving; " \
+        "starting it again (1 of 3)" in running.output()
+    running.tree += _tree(running.command.pid)  # the new server's processes
+    assert concurrent_streams(running.url, STREAMS[:2], STREAM_TOKENS) == expected[:2]
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only  # SGLang with --device cpu
+def test_sigterm_stops_the_deployment_in_order_leaving_nothing(pd_deployment):
+    running = pd_deployment
+    running.command.send_signal(signal.SIGTERM)
+    assert running.command.wait(180) == 0, running.output()
+    time.sleep(0.5)  # the reader thread takes the last lines
+    output = running.output()
     assert output.index("deploy: stopping router") < output.index(
         "deploy: stopping prefill-0, decode-0") < output.index(
         "deploy: stopping expert-server-0, expert-server-1") < output.index(
         "deploy: stopping monitor")
     assert output.rstrip().endswith("deploy: stopped, no process left")
-    left = [(pid, cmd) for pid, created, cmd in tree if _same_alive(pid, created)]
+    left = [(pid, cmd) for pid, created, cmd in running.tree if _same_alive(pid, created)]
     assert not left
     shm = [f for f in os.listdir("/dev/shm")
-           if any(f.startswith(f"ibgda-{pid}-") for pid, _, _ in tree)]
+           if any(f.startswith(f"ibgda-{pid}-") for pid, _, _ in running.tree)]
     assert not shm
-    assert not _accepts(url.removeprefix("http://"))
+    assert not _accepts(running.url.removeprefix("http://"))
 
 
 def _wait_serving(command: subprocess.Popen, lines: list[str], timeout: float) -> str:

@@ -22,10 +22,11 @@ router in front of them. Each part is started once the parts before it serve; th
 where each part listens, its pid and its log file, and a line 'deploy: serving at URL' says where
 to send requests (/generate, /v1/completions, ... of the router). Ctrl-C or SIGTERM stops every
 process it started (router, SGLang instances, expert servers, monitor, in this order: SIGTERM,
-SIGKILL after --stop-grace seconds; a second Ctrl-C kills at once) and exits 0; a part that dies
-while serving stops everything too, with exit status 1. The token the parts share is
-SGLANG_EAAS_TOKEN if set, else a new one; it is passed in the environment, never on a command
-line.
+SIGKILL after --stop-grace seconds; a second Ctrl-C kills at once) and exits 0. An expert server
+that dies while serving is started again (up to 3 times; the other holders of its experts serve
+them meanwhile); any other part that dies stops everything, with exit status 1. The token the
+parts share is SGLANG_EAAS_TOKEN if set, else a new one; it is passed in the environment, never
+on a command line.
 """
 
 EPILOG = "config format (every field but model is optional):\n\n" + FORMAT + """
@@ -84,7 +85,9 @@ def serve(deployment: Deployment) -> int:
     _say(format_table(deployment.endpoints()))
     _say(f"deploy: serving at {deployment.url} (Ctrl-C or SIGTERM stops everything)")
     while not deployment.wait_interrupt(1.0):
-        child = deployment.dead()
+        for line in deployment.restart_lost_servers():
+            _say(line)
+        child = deployment.dead(serving=True)
         if child is not None:
             _error(f"{child.name} (pid {child.pid}) exited with code {child.exit_code()} "
                    f"while serving; see {child.log_path}; stopping everything")

@@ -28,6 +28,7 @@ from sglang_eaas.deploy.processes import Child, stop_together
 from sglang_eaas.model_info import MoeModelInfo
 
 REPORT_EVERY = 15.0  # seconds between progress lines while waiting
+MAX_RESTARTS = 3  # an expert server that exits while serving is started again this many times
 
 
 class DeployError(RuntimeError):
@@ -64,6 +65,9 @@ class Deployment:
         self.token = envs.TOKEN.get() or secrets.token_hex(16)
         self.env = {**os.environ, envs.TOKEN.name: self.token}  # never on a command line
         self.stages: list[list[Child]] = []  # in start order
+        self.expert_servers: list[Child] = []
+        self.restarts: dict[str, int] = {}  # expert server -> times started again
+        self._coming_back: set[str] = set()
         self.url: str | None = None  # the router's, once serving
         self.monitor_url: str | None = None
         self._etcd_dir: str | None = None
@@ -133,13 +137,43 @@ class Deployment:
     def children(self) -> list[Child]:
         return [c for stage in self.stages for c in stage if c.process is not None]
 
-    def dead(self) -> Child | None:
-        """A part whose main process has exited (while serving, that ends the deployment)."""
+    def dead(self, serving: bool = False) -> Child | None:
+        """A part whose main process has exited (that ends the deployment). ``serving``: an
+        expert server is not one until it has been started again ``MAX_RESTARTS`` times
+        (``restart_lost_servers``)."""
         for child in self.children():
             child.note_tree()
-            if child.exit_code() is not None:
-                return child
+            if child.exit_code() is None:
+                continue
+            if serving and self.restarts.get(child.name, 0) < MAX_RESTARTS and (
+                    child in self.expert_servers):
+                continue
+            return child
         return None
+
+    def restart_lost_servers(self) -> list[str]:
+        """While serving: start again each expert server that exited (they hold no state: a new
+        one with the same experts and address registers, and the clients join it), and say
+        when each is back in the tier. Meanwhile the other holders of its experts serve them;
+        requests needing an expert it alone held end with HTTP 503. Returns progress lines."""
+        lines = []
+        for child in self.expert_servers:
+            code, done = child.exit_code(), self.restarts.get(child.name, 0)
+            if code is None or done >= MAX_RESTARTS:
+                continue
+            self.restarts[child.name] = done + 1
+            lines.append(f"deploy: {child.name} (pid {child.pid}) exited with code {code} "
+                         f"while serving; starting it again ({done + 1} of {MAX_RESTARTS})")
+            child.start(self.env, again=True)
+            self._coming_back.add(child.name)
+        if self._coming_back:
+            info = MoeModelInfo.from_model_path(self.config.model)
+            back = [c for c in self.expert_servers if c.name in self._coming_back
+                    and ready.expert_tier(self.monitor_url, self.token, [c.address], info) is None]
+            for child in back:
+                self._coming_back.discard(child.name)
+                lines.append(f"deploy: {child.name} is back on {child.address} (pid {child.pid})")
+        return lines
 
     def __enter__(self) -> "Deployment":
         return self.start()
@@ -192,6 +226,7 @@ class Deployment:
         self.progress(f"deploy: starting {len(servers)} expert servers on "
                       f"{', '.join(s.address for s in servers)}")
         self._launch(servers)
+        self.expert_servers = servers
         info = MoeModelInfo.from_model_path(cfg.model)
         addresses = [s.address for s in servers]
         self._wait("expert servers",

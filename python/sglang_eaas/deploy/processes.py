@@ -37,9 +37,10 @@ class Child:
         assert self.process is not None, f"{self.name} was not started"
         return self.process.pid
 
-    def start(self, env: dict[str, str]) -> None:
+    def start(self, env: dict[str, str], again: bool = False) -> None:
+        """Start its command; ``again``: a restart, its log appended to."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "w") as log:
+        with open(self.log_path, "a" if again else "w") as log:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, start_new_session=True, preexec_fn=die_with_parent)
