@@ -1,10 +1,12 @@
 """``sglang_eaas.Engine``: the offline engine with the ``--eaas`` options as keywords. Its greedy
-tokens equal, token for token, those of ``python -m sglang.launch_server`` with the same options;
+tokens (float32, the trained top-4 checkpoint, two local expert servers) equal, token for token,
+those of ``python -m sglang.launch_server`` on the same checkpoint (the suite's monolithic
+server, which the ``--eaas`` server equals in test_trained_model);
 a bad keyword is one sentence naming it, before anything starts; ``shutdown()`` leaves no expert
 server, monitor or shared-memory file of theirs behind while the process goes on.
 
-One engine (in a process of its own, test/engine_run.py: SGLang's shutdown kills every child of
-its process), then one server."""
+One engine, in a process of its own (test/engine_run.py: SGLang's shutdown kills every child of
+its process)."""
 
 from __future__ import annotations
 
@@ -15,20 +17,20 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import PROMPTS, TRAINED, open_log, start_server
+from conftest import PROMPTS, TRAINED, open_log
 
 from sglang_eaas.addresses import free_port
 
 PROMPTS4 = (*PROMPTS, "class Stack:\n    def push(self, item):")
 TOKENS = 24
 EAAS = ("--eaas", "--eaas-expert-servers", "local:2")
-# The same as the server's: conftest.start_server's CPU_ARGS and --dtype float32, then EAAS.
+# conftest.start_server's CPU_ARGS and --dtype float32 (the monolithic server's), then EAAS.
 ENGINE_KWARGS = {"device": "cpu", "max_total_tokens": 4096, "dtype": "float32", "eaas": True,
                  "eaas_expert_servers": "local:2"}
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(monolithic_trained):
     """(the engine script's result, the server's greedy tokens for PROMPTS4)."""
     nobody = f"127.0.0.1:{free_port()}"
     spec = {"model": str(TRAINED), "kwargs": ENGINE_KWARGS, "prompts": list(PROMPTS4),
@@ -41,11 +43,7 @@ def runs():
     assert engine.returncode == 0 and lines, f"engine_run.py exited {engine.returncode}; see " \
                                              ".cache/logs/test/engine-run.log"
     result = json.loads(lines[-1].removeprefix("RESULT "))
-    server = start_server(TRAINED, *EAAS, name="engine-server")  # after: 2 cores
-    try:
-        expected = [server.generate(p, TOKENS)["output_ids"] for p in PROMPTS4]
-    finally:
-        server.stop()
+    expected = [monolithic_trained.generate(p, TOKENS)["output_ids"] for p in PROMPTS4]
     return {**result, "nobody": nobody}, expected
 
 
