@@ -21,6 +21,7 @@ runs=(
   "scripts/bench_elastic.py"
   "scripts/bench_autoscale.py"
   "scripts/bench_switch.py"
+  "scripts/bench_pd.py"
   "scripts/bench_balance.py"
   "scripts/bench_balance.py --no-live --shifts '' --batch 256 --requests-per-half 512 --out .cache/bench/balance-zipf256.md"
   "scripts/bench_balance.py --window 1 --no-live --shifts A:B --zipf 1.4 --out .cache/bench/balance-window1.md"

@@ -1,0 +1,203 @@
+"""Benchmark: PD disaggregation with EaaS against PD and against monolithic serving, each behind
+SGLang's router, in one run (docs/deployment.md, docs/benchmarks.md).
+
+Three local deployments of the generated bench checkpoint (``python -m sglang_eaas.deploy``'s
+``Deployment``), one after the other on the same machine:
+
+* ``monolithic``: one plain SGLang instance (experts inside it), the router in front;
+* ``pd``: a prefill and a decode instance (``--disaggregation-mode``, KV over SGLang's Mooncake
+  backend on TCP), experts inside each, the router in PD mode;
+* ``pd+eaas``: the same two instances with ``--eaas``, both clients of one pool of expert
+  servers behind a standalone monitor.
+
+Against each router, SGLang's own ``python -m sglang.bench_serving`` (unchanged) with its
+``random-ids`` dataset and with a ShareGPT-format file made here from held-out stdlib sources
+(``bench_lib/sharegpt.py``: no download). Printed per deployment and dataset: bench_serving's
+output tok/s, mean TTFT and mean TPOT, their ratios against ``monolithic``, and how busy the
+deployment kept the machine's cores (CPU seconds of every process of the deployment during the
+requests / (their seconds x cores)): all three share the same 2 cores, so PD's separate prefill and
+decode machines are not there to gain from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from sglang_eaas import cpu_runtime
+from sglang_eaas.deploy import DeployError, Deployment, parse_config
+from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
+
+from bench_lib import sharegpt
+from bench_lib.report import Report, default_out, say
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")
+SETTINGS = ("monolithic", "pd", "pd+eaas")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="The default run takes about 10 minutes on 2 CPU cores (three deployments).")
+    parser.add_argument("--concurrency", type=int, default=8,
+                        help="bench_serving --max-concurrency; default 8")
+    parser.add_argument("--prompts-per-slot", type=int, default=4,
+                        help="requests per concurrency slot (--num-prompts = this x "
+                        "concurrency); default 4")
+    parser.add_argument("--input-len", type=int, default=128,
+                        help="random-ids: bench_serving --random-input-len; default 128")
+    parser.add_argument("--output-len", type=int, default=32,
+                        help="random-ids: --random-output-len, ShareGPT: --sharegpt-output-len; "
+                        "default 32")
+    parser.add_argument("--expert-servers", type=int, default=2,
+                        help="expert servers of pd+eaas; default 2")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help=f"comma-separated subset of {', '.join(SETTINGS)} (monolithic is "
+                        "the ratios' baseline and always runs); default all")
+    parser.add_argument("--log-dir", type=Path, default=ROOT / ".cache" / "logs" / "bench-pd",
+                        help="deployment and bench_serving logs; default .cache/logs/bench-pd")
+    parser.add_argument("--out", type=Path, default=default_out("pd"),
+                        help="markdown report; default %(default)s")
+    args = parser.parse_args()
+    args.settings = ["monolithic", *[s for s in args.settings.split(",") if s != "monolithic"]]
+    unknown = sorted(set(args.settings) - set(SETTINGS))
+    if unknown:
+        parser.error(f"--settings: unknown {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
+    if min(args.concurrency, args.prompts_per_slot, args.input_len, args.expert_servers) < 1 \
+            or args.output_len < 4:
+        parser.error("--concurrency, --prompts-per-slot, --input-len and --expert-servers must "
+                     "be >= 1, --output-len >= 4 (bench_serving's minimum)")
+    return args
+
+
+def config(model: Path, setting: str, servers: int) -> dict:
+    cpu = ["--device", "cpu"] if cpu_runtime.is_active() else []
+    sglang: dict = {"args": [*cpu, "--max-total-tokens", "16384"], "eaas": setting == "pd+eaas"}
+    if setting == "monolithic":
+        sglang["plain"] = {"count": 1}
+    else:
+        sglang.update(prefill={"count": 1}, decode={"count": 1},
+                      transfer_backend="mooncake_tcp" if cpu else "mooncake")
+    tier = {"monitor": "standalone", "expert_servers": {"count": servers}}
+    return {"model": str(model), **(tier if sglang["eaas"] else {}), "sglang": sglang}
+
+
+def dataset_args(dataset: str, args: argparse.Namespace, sharegpt_file: Path) -> list[str]:
+    if dataset == "random-ids":
+        return ["--dataset-name", "random-ids", "--random-input-len", str(args.input_len),
+                "--random-output-len", str(args.output_len), "--random-range-ratio", "1.0"]
+    return ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt_file),
+            "--sharegpt-output-len", str(args.output_len), "--sharegpt-context-len", "2048"]
+
+
+def tree_cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes and their descendants so far."""
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for p in (root, *root.children(recursive=True)):
+                times = p.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def bench_serving(url: str, model: Path, dataset: str, args: argparse.Namespace,
+                  sharegpt_file: Path, pids: list[int], log: Path) -> dict:
+    """One ``python -m sglang.bench_serving`` run against ``url``; its result record, with the
+    deployment's share of the cores during the run (``cores_busy``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "result.jsonl"
+        command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+                   "--base-url", url, *dataset_args(dataset, args, sharegpt_file),
+                   "--num-prompts", str(args.prompts_per_slot * args.concurrency),
+                   "--max-concurrency", str(args.concurrency), "--tokenizer", str(model),
+                   "--seed", "0", "--output-file", str(result_file), "--disable-tqdm"]
+        cpu0 = tree_cpu_seconds(pids)
+        with open(log, "w") as out:
+            out.write(f"$ {shlex.join(command)}\n")
+            out.flush()
+            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=1800)
+        cpu = tree_cpu_seconds(pids) - cpu0
+        if done.returncode != 0 or not result_file.exists():
+            raise RuntimeError(f"sglang.bench_serving exited with {done.returncode}; see {log}")
+        record = json.loads(result_file.read_text().splitlines()[-1])
+        # over bench_serving's own duration (its requests); the idle deployment sleeps while
+        # bench_serving starts
+        return {**record, "cores_busy": cpu / (record["duration"] * os.cpu_count())}
+
+
+def table(results: dict[str, dict[str, dict]], dataset: str) -> str:
+    base = results["monolithic"][dataset]
+    lines = ["| deployment | out tok/s | ratio | mean TTFT ms | ratio | mean TPOT ms | ratio | "
+             "completed | cores busy |", "|---|" + "---:|" * 8]
+    for setting, by_dataset in results.items():
+        r = by_dataset[dataset]
+        cells = [f"{r[k]:.1f} | {r[k] / base[k]:.2f}x" for k in KEYS]
+        lines.append(f"| {setting} | " + " | ".join(cells)
+                     + f" | {r['completed']} | {r['cores_busy']:.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    report = Report(args.out)
+    model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    conversations = args.prompts_per_slot * args.concurrency * 4  # bench_serving drops some
+    sharegpt_file = sharegpt.write(args.log_dir / "sharegpt.json", conversations)
+    datasets = ("random-ids", "sharegpt")
+    results: dict[str, dict[str, dict]] = {}
+    for setting in args.settings:
+        say(f"deploying {setting}")
+        started = time.monotonic()
+        cfg = parse_config(config(model, setting, args.expert_servers), setting)
+        try:
+            with Deployment(cfg, args.log_dir / setting.replace("+", "-"),
+                            progress=lambda line: print("  " + line, flush=True)) as deployment:
+                say(f"{setting} serving in {time.monotonic() - started:.0f} s at "
+                    f"{deployment.url}")
+                pids = [e.pid for e in deployment.endpoints()]
+                results[setting] = {}
+                for dataset in datasets:
+                    log = args.log_dir / f"bench-serving-{setting.replace('+', '-')}-{dataset}.log"
+                    record = bench_serving(deployment.url, model, dataset, args, sharegpt_file,
+                                           pids, log)
+                    results[setting][dataset] = record
+                    say(f"  {dataset}: {record['output_throughput']:.1f} output tok/s, TTFT "
+                        f"{record['mean_ttft_ms']:.0f} ms, TPOT {record['mean_tpot_ms']:.1f} ms, "
+                        f"cores {record['cores_busy']:.0%} busy")
+        except DeployError as exc:
+            print(f"bench: error: {setting} did not deploy: {exc}", file=sys.stderr)
+            return 1
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"bench: error while measuring {setting}: {exc}", file=sys.stderr)
+            return 1
+    common = (f"`python -m sglang.bench_serving --backend sglang --num-prompts "
+              f"{args.prompts_per_slot * args.concurrency} --max-concurrency {args.concurrency}` "
+              f"against each deployment's router; bench checkpoint `{model.name}`; pd+eaas: "
+              f"{args.expert_servers} expert servers; ratio = setting / monolithic")
+    report.add(f"random-ids (`--random-input-len {args.input_len} --random-output-len "
+               f"{args.output_len} --random-range-ratio 1.0`), {common}:\n\n"
+               + table(results, "random-ids"))
+    report.add(f"ShareGPT format, {conversations} conversations cut from held-out stdlib "
+               f"sources (`--sharegpt-output-len {args.output_len}`), {common}:\n\n"
+               + table(results, "sharegpt"))
+    report.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
