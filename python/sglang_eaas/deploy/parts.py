@@ -14,6 +14,7 @@ from sglang_eaas.addresses import free_port
 from sglang_eaas.deploy.config import ETCD, STANDALONE, DeployConfig, Instances
 from sglang_eaas.deploy.processes import Child
 from sglang_eaas.launcher.local_servers import expert_args
+from sglang_eaas.membership.etcd import single_node_command
 from sglang_eaas.protocol.control import SLOTS_PER_CONNECTION
 
 PYTHON = sys.executable
@@ -58,16 +59,8 @@ def monitor_child(cfg: DeployConfig, ports: Ports, logs: Path, etcd_dir: Path | 
 
 
 def etcd_command(data_dir: str, client: int, peer: int) -> list[str]:
-    """A single-node etcd on loopback, as ``tools/etcd_process.py`` starts it (50 ms raft
-    heartbeat, 250 ms election timeout: etcd then grants the members' 1 s leases)."""
-    binary = shutil.which("etcd") or "etcd"
-    return [binary, "--name", "eaas", "--data-dir", data_dir,
-            "--listen-client-urls", f"http://{HOST}:{client}",
-            "--advertise-client-urls", f"http://{HOST}:{client}",
-            "--listen-peer-urls", f"http://{HOST}:{peer}",
-            "--initial-advertise-peer-urls", f"http://{HOST}:{peer}",
-            "--initial-cluster", f"eaas=http://{HOST}:{peer}",
-            "--heartbeat-interval", "50", "--election-timeout", "250"]
+    """A single-node etcd on loopback, as ``tools/etcd_process.py`` starts it."""
+    return single_node_command(shutil.which("etcd") or "etcd", data_dir, HOST, client, peer)
 
 
 def expert_server_children(cfg: DeployConfig, monitor_url: str, ports: Ports, logs: Path,

@@ -51,6 +51,21 @@ LOAD_EVERY = 10  # heartbeats between load updates
 DEPARTURES_KEPT = 64
 
 
+# etcd's raft timing for the tier: its minimum lease TTL is then 1 s (see the module docstring)
+RAFT_TIMING = ("--heartbeat-interval", "50", "--election-timeout", "250")
+
+
+def single_node_command(binary: str, data_dir: str, host: str, client_port: int,
+                        peer_port: int) -> list[str]:
+    """The command line of a one-member etcd cluster serving the tier's members at
+    ``host:client_port`` (the tests', the benchmarks' and ``python -m sglang_eaas.deploy``'s)."""
+    client, peer = f"http://{host}:{client_port}", f"http://{host}:{peer_port}"
+    return [binary, "--name", "eaas", "--data-dir", data_dir,
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"eaas={peer}", *RAFT_TIMING]
+
+
 def _key(root: str, member: Member) -> str:
     return f"{root}{member.kind}/{member.id}"
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from sglang_eaas.addresses import free_port
+from sglang_eaas.membership.etcd import single_node_command
 
 
 class EtcdProcess:
@@ -31,13 +32,7 @@ class EtcdProcess:
         self.url = f"etcd://{self.address}"
         log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
-            [binary, "--name", "eaas", "--data-dir", self._dir,
-             "--listen-client-urls", f"http://{self.address}",
-             "--advertise-client-urls", f"http://{self.address}",
-             "--listen-peer-urls", f"http://{host}:{peer}",
-             "--initial-advertise-peer-urls", f"http://{host}:{peer}",
-             "--initial-cluster", f"eaas=http://{host}:{peer}",
-             "--heartbeat-interval", "50", "--election-timeout", "250"],
+            single_node_command(binary, self._dir, host, client, peer),
             stdout=log, stderr=subprocess.STDOUT)
 
     def start(self, timeout: float = 30.0) -> "EtcdProcess":
