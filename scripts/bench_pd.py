@@ -14,9 +14,10 @@ Against each router, SGLang's own ``python -m sglang.bench_serving`` (unchanged)
 ``random-ids`` dataset and with a ShareGPT-format file made here from held-out stdlib sources
 (``bench_lib/sharegpt.py``: no download). Printed per deployment and dataset: bench_serving's
 output tok/s, mean TTFT and mean TPOT, their ratios against ``monolithic``, and how busy the
-deployment kept the machine's cores (CPU seconds of every process of the deployment during the
-requests / (their seconds x cores)): all three share the same 2 cores, so PD's separate prefill and
-decode machines are not there to gain from.
+deployment makes each output token cost (CPU milliseconds of every process of the deployment per
+output token) and the throughput this machine's cores bound it to (cores x 1000 / that): the
+three share the same cores, so PD's separate prefill and decode machines are not there to gain
+from, and each process more costs CPU time the others would have used.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def tree_cpu_seconds(pids: list[int]) -> float:
 def bench_serving(url: str, model: Path, dataset: str, args: argparse.Namespace,
                   sharegpt_file: Path, pids: list[int], log: Path) -> dict:
     """One ``python -m sglang.bench_serving`` run against ``url``; its result record, with the
-    deployment's share of the cores during the run (``cores_busy``)."""
+    deployment's CPU milliseconds per output token (``cpu_ms_per_token``)."""
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.jsonl"
         command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
@@ -134,20 +135,23 @@ def bench_serving(url: str, model: Path, dataset: str, args: argparse.Namespace,
         if done.returncode != 0 or not result_file.exists():
             raise RuntimeError(f"sglang.bench_serving exited with {done.returncode}; see {log}")
         record = json.loads(result_file.read_text().splitlines()[-1])
-        # over bench_serving's own duration (its requests); the idle deployment sleeps while
-        # bench_serving starts
-        return {**record, "cores_busy": cpu / (record["duration"] * os.cpu_count())}
+        # its warm-up request is in ``cpu`` too: one request more than the run's
+        tokens = record["total_output_tokens"] * (1 + 1 / max(record["completed"], 1))
+        return {**record, "cpu_ms_per_token": 1000 * cpu / tokens}
 
 
 def table(results: dict[str, dict[str, dict]], dataset: str) -> str:
     base = results["monolithic"][dataset]
+    cores = os.cpu_count()
     lines = ["| deployment | out tok/s | ratio | mean TTFT ms | ratio | mean TPOT ms | ratio | "
-             "completed | cores busy |", "|---|" + "---:|" * 8]
+             f"completed | CPU ms / out token | {cores}-core bound tok/s |",
+             "|---|" + "---:|" * 9]
     for setting, by_dataset in results.items():
         r = by_dataset[dataset]
         cells = [f"{r[k]:.1f} | {r[k] / base[k]:.2f}x" for k in KEYS]
+        cpu = r["cpu_ms_per_token"]
         lines.append(f"| {setting} | " + " | ".join(cells)
-                     + f" | {r['completed']} | {r['cores_busy']:.0%} |")
+                     + f" | {r['completed']} | {cpu:.1f} | {cores * 1000 / cpu:.0f} |")
     return "\n".join(lines)
 
 
@@ -178,7 +182,7 @@ def main() -> int:
                     results[setting][dataset] = record
                     say(f"  {dataset}: {record['output_throughput']:.1f} output tok/s, TTFT "
                         f"{record['mean_ttft_ms']:.0f} ms, TPOT {record['mean_tpot_ms']:.1f} ms, "
-                        f"cores {record['cores_busy']:.0%} busy")
+                        f"{record['cpu_ms_per_token']:.1f} CPU ms per output token")
         except DeployError as exc:
             print(f"bench: error: {setting} did not deploy: {exc}", file=sys.stderr)
             return 1
