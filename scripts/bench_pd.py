@@ -13,11 +13,11 @@ Three local deployments of the generated bench checkpoint (``python -m sglang_ea
 Against each router, SGLang's own ``python -m sglang.bench_serving`` (unchanged) with its
 ``random-ids`` dataset and with a ShareGPT-format file made here from held-out stdlib sources
 (``bench_lib/sharegpt.py``: no download). Printed per deployment and dataset: bench_serving's
-output tok/s, mean TTFT and mean TPOT, their ratios against ``monolithic``, and how busy the
-deployment makes each output token cost (CPU milliseconds of every process of the deployment per
-output token) and the throughput this machine's cores bound it to (cores x 1000 / that): the
-three share the same cores, so PD's separate prefill and decode machines are not there to gain
-from, and each process more costs CPU time the others would have used.
+output tok/s, mean TTFT and mean TPOT, their ratios against ``monolithic``, what each output
+token costs the deployment (CPU milliseconds of all its processes per output token, and by part)
+and the throughput this machine's cores bound it to (cores x 1000 / that). The three share the
+same cores, so PD's separate prefill and decode machines are not there to gain from, and each
+process more costs CPU time the others would have used.
 """
 
 from __future__ import annotations
@@ -101,22 +101,26 @@ def dataset_args(dataset: str, args: argparse.Namespace, sharegpt_file: Path) ->
             "--sharegpt-output-len", str(args.output_len), "--sharegpt-context-len", "2048"]
 
 
-def tree_cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes and their descendants so far."""
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of this process and its descendants so far."""
     total = 0.0
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            for p in (root, *root.children(recursive=True)):
-                times = p.cpu_times()
-                total += times.user + times.system
-        except psutil.Error:
-            pass
+    try:
+        root = psutil.Process(pid)
+        for p in (root, *root.children(recursive=True)):
+            times = p.cpu_times()
+            total += times.user + times.system
+    except psutil.Error:
+        pass
     return total
 
 
+def role(part: str) -> str:
+    """The column a part's CPU time goes to: monitor, expert servers, an instance, router."""
+    return "experts" if part.startswith("expert-server") else part.rsplit("-", 1)[0]
+
+
 def bench_serving(url: str, model: Path, dataset: str, args: argparse.Namespace,
-                  sharegpt_file: Path, pids: list[int], log: Path) -> dict:
+                  sharegpt_file: Path, parts: dict[str, int], log: Path) -> dict:
     """One ``python -m sglang.bench_serving`` run against ``url``; its result record, with the
     deployment's CPU milliseconds per output token (``cpu_ms_per_token``)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,32 +130,36 @@ def bench_serving(url: str, model: Path, dataset: str, args: argparse.Namespace,
                    "--num-prompts", str(args.prompts_per_slot * args.concurrency),
                    "--max-concurrency", str(args.concurrency), "--tokenizer", str(model),
                    "--seed", "0", "--output-file", str(result_file), "--disable-tqdm"]
-        cpu0 = tree_cpu_seconds(pids)
+        cpu0 = {name: tree_cpu_seconds(pid) for name, pid in parts.items()}
         with open(log, "w") as out:
             out.write(f"$ {shlex.join(command)}\n")
             out.flush()
             done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=1800)
-        cpu = tree_cpu_seconds(pids) - cpu0
+        by_role: dict[str, float] = {}
+        for name, pid in parts.items():
+            by_role[role(name)] = by_role.get(role(name), 0.0) + tree_cpu_seconds(pid) - cpu0[name]
         if done.returncode != 0 or not result_file.exists():
             raise RuntimeError(f"sglang.bench_serving exited with {done.returncode}; see {log}")
         record = json.loads(result_file.read_text().splitlines()[-1])
         # its warm-up request is in ``cpu`` too: one request more than the run's
         tokens = record["total_output_tokens"] * (1 + 1 / max(record["completed"], 1))
-        return {**record, "cpu_ms_per_token": 1000 * cpu / tokens}
+        return {**record, "cpu_ms_per_token": 1000 * sum(by_role.values()) / tokens,
+                "cpu_ms_by_role": {r: 1000 * c / tokens for r, c in by_role.items()}}
 
 
 def table(results: dict[str, dict[str, dict]], dataset: str) -> str:
     base = results["monolithic"][dataset]
     cores = os.cpu_count()
     lines = ["| deployment | out tok/s | ratio | mean TTFT ms | ratio | mean TPOT ms | ratio | "
-             f"completed | CPU ms / out token | {cores}-core bound tok/s |",
-             "|---|" + "---:|" * 9]
+             f"completed | CPU ms / out token | of which | {cores}-core bound tok/s |",
+             "|---|" + "---:|" * 8 + "---|---:|"]
     for setting, by_dataset in results.items():
         r = by_dataset[dataset]
         cells = [f"{r[k]:.1f} | {r[k] / base[k]:.2f}x" for k in KEYS]
         cpu = r["cpu_ms_per_token"]
-        lines.append(f"| {setting} | " + " | ".join(cells)
-                     + f" | {r['completed']} | {cpu:.1f} | {cores * 1000 / cpu:.0f} |")
+        split = ", ".join(f"{name} {ms:.1f}" for name, ms in r["cpu_ms_by_role"].items())
+        lines.append(f"| {setting} | " + " | ".join(cells) + f" | {r['completed']} | {cpu:.1f} "
+                     f"| {split} | {cores * 1000 / cpu:.0f} |")
     return "\n".join(lines)
 
 
@@ -173,12 +181,12 @@ def main() -> int:
                             progress=lambda line: print("  " + line, flush=True)) as deployment:
                 say(f"{setting} serving in {time.monotonic() - started:.0f} s at "
                     f"{deployment.url}")
-                pids = [e.pid for e in deployment.endpoints()]
+                parts = {e.name: e.pid for e in deployment.endpoints()}
                 results[setting] = {}
                 for dataset in datasets:
                     log = args.log_dir / f"bench-serving-{setting.replace('+', '-')}-{dataset}.log"
                     record = bench_serving(deployment.url, model, dataset, args, sharegpt_file,
-                                           pids, log)
+                                           parts, log)
                     results[setting][dataset] = record
                     say(f"  {dataset}: {record['output_throughput']:.1f} output tok/s, TTFT "
                         f"{record['mean_ttft_ms']:.0f} ms, TPOT {record['mean_tpot_ms']:.1f} ms, "
