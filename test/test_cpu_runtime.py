@@ -194,3 +194,36 @@ def test_ep_hook_is_the_stock_function_without_remote_experts():
                               torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0]]), None)
     assert torch.equal(moe_forward_native_ep(native, layer, x, topk, config),
                        native(layer, x, topk, config))
+
+
+@pytest.mark.parametrize("mode, given, expected", [
+    ("decode", None, "cpu_tensor"),  # SGLang's host_pool registers memory with CUDA
+    ("decode", "cpu_tensor", None),
+    ("decode", "none", None),
+    ("prefill", None, None),
+    ("null", None, None),
+])
+def test_pd_decode_retraction_backup_in_host_tensors(monkeypatch, mode, given, expected):
+    from types import SimpleNamespace
+
+    from sglang_eaas.cpu_runtime import pd
+
+    monkeypatch.setattr(cpu_runtime, "is_active", lambda: True)
+    cfg = SimpleNamespace(device="cpu", disaggregation_mode=mode,
+                          disaggregation_decode_retraction_backup=given)
+    assert pd.retraction_backup(cfg) == expected
+    assert pd.retraction_backup(SimpleNamespace(**{**vars(cfg), "device": "cuda"})) is None
+
+
+def test_pd_host_pool_without_a_gpu_is_one_sentence(monkeypatch):
+    from types import SimpleNamespace
+
+    from sglang_eaas.cpu_runtime import pd
+    from sglang_eaas.refusal import Refusal
+
+    monkeypatch.setattr(cpu_runtime, "is_active", lambda: True)
+    cfg = SimpleNamespace(device="cpu", disaggregation_mode="decode",
+                          disaggregation_decode_retraction_backup="host_pool")
+    with pytest.raises(Refusal, match="^error: --disaggregation-decode-retraction-backup "
+                       "host_pool registers a host KV pool with CUDA"):
+        pd.retraction_backup(cfg)

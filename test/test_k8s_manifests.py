@@ -40,14 +40,15 @@ GAUGE = "sglang_eaas_autoscale_desired_servers"
 @pytest.fixture(scope="module")
 def sglang_parser() -> argparse.ArgumentParser:
     """``python -m sglang.launch_server``'s parser: SGLang's flags and the --eaas group, as the
-    plugin's hook on ``ServerArgs.add_cli_args`` builds it."""
+    plugin's hook on ``ServerArgs.add_cli_args`` builds it (the hooks applied in this process,
+    as SGLang's launcher applies them; idempotent, whatever ran before in it)."""
+    from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_eaas import config
-
+    load_plugins()
     parser = k8s.StrictParser()
     ServerArgs.add_cli_args(parser)
-    config.add_cli_args(parser)
+    assert any("--eaas" in a.option_strings for a in parser._actions), "the plugin is not live"
     return parser
 
 

@@ -153,17 +153,6 @@ def _count(value: str) -> int:
 DEFAULT_LOCAL_SERVERS = 2  # --eaas without --eaas-expert-servers, placement or shared monitor
 
 
-class Refusal(SystemExit):
-    """An ``--eaas`` launch refused in one sentence naming the flag. A command exits with it
-    (status 1, ``error: SENTENCE`` on stderr, no traceback: SGLang's launcher lets a
-    ``SystemExit`` through); the offline engine (``sglang_eaas.Engine``) raises the sentence as
-    a ``ValueError`` (before the launch) or a ``RuntimeError`` (during it)."""
-
-    def __init__(self, sentence: str):
-        super().__init__(f"error: {sentence}")
-        self.sentence = sentence
-
-
 @dataclass(frozen=True)
 class LocalSpawn:
     """How the launcher started its local expert servers, so that more can be started alike

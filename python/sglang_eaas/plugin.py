@@ -22,6 +22,7 @@ from sglang_eaas.client import (
 )
 from sglang_eaas.cpu_runtime import attention, moe_native_ep, pd, server_defaults
 from sglang_eaas.launcher import admin, prepare
+from sglang_eaas.refusal import Refusal
 
 
 class Hook(NamedTuple):
@@ -46,7 +47,7 @@ def _from_cli_args(server_args: Any, cls: type, args: Any) -> Any:
     try:
         eaas = config.from_cli_args(args)
     except ValueError as exc:
-        raise config.Refusal(str(exc)) from None
+        raise Refusal(str(exc)) from None
     if eaas is not None:
         server_args._eaas = eaas  # bookkeeping attribute: pickled along to every worker
         overlap.resolve(server_args)

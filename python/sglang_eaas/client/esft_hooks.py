@@ -19,6 +19,7 @@ import argparse
 from typing import Any, Callable
 
 from sglang_eaas import config as eaas_config
+from sglang_eaas.refusal import Refusal
 
 
 def lora_args(cls: type, args: argparse.Namespace) -> None:
@@ -27,7 +28,7 @@ def lora_args(cls: type, args: argparse.Namespace) -> None:
                                                 or getattr(args, "eaas_esft_adapters", None)):
         return
     if getattr(args, "lora_paths", None) or getattr(args, "enable_lora", None) is False:
-        raise eaas_config.Refusal("--eaas-esft serves ESFT adapters in SGLang's LoRA slots: "
+        raise Refusal("--eaas-esft serves ESFT adapters in SGLang's LoRA slots: "
                                   "drop --lora-paths/--enable-lora (LoRA and ESFT adapters do "
                                   "not mix)")
     adapters = args.eaas_esft_adapters or ()

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sglang_eaas import cpu_runtime
+from sglang_eaas.refusal import Refusal
 
 PLAIN_RETRACTION_BACKUPS = ("cpu_tensor", "none")
 
@@ -31,14 +32,14 @@ def _on_cpu(device: str | None = "cpu") -> bool:
 
 def retraction_backup(cfg: Any) -> str | None:
     """The decode retraction backup the CPU runtime resolves for ``cfg`` (None: leave it);
-    raises ValueError with one sentence for one that needs CUDA."""
+    ``Refusal`` (one sentence, no traceback) for one that needs CUDA."""
     if not _on_cpu(cfg.device) or cfg.disaggregation_mode != "decode":
         return None
     given = cfg.disaggregation_decode_retraction_backup
     if given is None:
         return "cpu_tensor"
     if given not in PLAIN_RETRACTION_BACKUPS:
-        raise ValueError(
+        raise Refusal(
             f"--disaggregation-decode-retraction-backup {given} registers a host KV pool with "
             "CUDA and cannot run without a GPU; use cpu_tensor (the CPU default) or none")
     return None

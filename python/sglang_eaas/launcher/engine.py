@@ -33,7 +33,7 @@ from sglang.srt.entrypoints.engine import Engine as SGLangEngine
 from sglang.srt.plugins import load_plugins
 from sglang.srt.server_args import ServerArgs
 
-from sglang_eaas.config import Refusal
+from sglang_eaas.refusal import Refusal
 from sglang_eaas.launcher import prepare
 
 _FLAG = re.compile(r"--[A-Za-z0-9][A-Za-z0-9-]*")

@@ -30,7 +30,6 @@ from sglang_eaas.config import (
     EaasConfig,
     LocalServers,
     LocalSpawn,
-    Refusal,
     RemoteServers,
 )
 from sglang_eaas.cores import shares_cores
@@ -38,6 +37,7 @@ from sglang_eaas.holdings import Holdings
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.membership import EMBEDDED, connect
 from sglang_eaas.model_info import ModelError, MoeModelInfo
+from sglang_eaas.refusal import Refusal
 from sglang_eaas.placement import PlacementError, even_placement
 from sglang_eaas.protocol import control
 from sglang_eaas.protocol.slot import DTYPE_NAMES, POLL_SPIN_US
