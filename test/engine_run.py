@@ -15,22 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
 import psutil
 
 import sglang_eaas
+from sglang_eaas.addresses import accepts
 
 
-def accepts(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def alive(process: psutil.Process) -> bool:

@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,7 +35,8 @@ from conftest import ROOT, TRAINED
 from streams import concurrent_streams
 
 from sglang_eaas.deploy import DeployConfigError, load_config, parse_config
-from sglang_eaas.deploy.processes import Child, stop_together
+from sglang_eaas.addresses import accepts
+from sglang_eaas.deploy.processes import Child, alive, stop_together
 from sglang_eaas.protocol.control import probe
 from sglang_eaas.tools.server_process import CPU_ARGS
 
@@ -205,7 +205,7 @@ def test_a_part_that_cannot_start_stops_the_deployment_naming_it(tmp_path):
     assert "invalid choice: 'nonsense'" in result.stderr
     monitor = re.search(r"starting monitor on (\S+)", result.stdout).group(1)
     assert "deploy: stopped monitor" in result.stdout
-    assert not _accepts(monitor)
+    assert not accepts(monitor)
     assert not [p for p in psutil.process_iter(["cmdline"])
                 if monitor in " ".join(p.info["cmdline"] or ())]
 
@@ -373,12 +373,12 @@ def test_sigterm_stops_the_deployment_in_order_leaving_nothing(pd_deployment):
         "deploy: stopping expert-server-0, expert-server-1") < output.index(
         "deploy: stopping monitor")
     assert output.rstrip().endswith("deploy: stopped, no process left")
-    left = [(pid, cmd) for pid, created, cmd in running.tree if _same_alive(pid, created)]
+    left = [(pid, cmd) for pid, created, cmd in running.tree if alive(pid, created)]
     assert not left
     shm = [f for f in os.listdir("/dev/shm")
            if any(f.startswith(f"ibgda-{pid}-") for pid, _, _ in running.tree)]
     assert not shm
-    assert not _accepts(running.url.removeprefix("http://"))
+    assert not accepts(running.url.removeprefix("http://"))
 
 
 def _wait_serving(command: subprocess.Popen, lines: list[str], timeout: float) -> str:
@@ -403,12 +403,6 @@ def _tree(pid: int) -> list[tuple[int, float, list[str]]]:
     return out
 
 
-def _same_alive(pid: int, created: float) -> bool:
-    try:
-        p = psutil.Process(pid)
-        return p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _generate(url: str, prompt: str) -> list[int]:
@@ -419,10 +413,3 @@ def _generate(url: str, prompt: str) -> list[int]:
     return reply.json()["output_ids"]
 
 
-def _accepts(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False

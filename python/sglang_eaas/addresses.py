@@ -78,3 +78,13 @@ def free_port(avoid: frozenset[int] = frozenset()) -> int:
             port = s.getsockname()[1]
         if port not in avoid:
             return port
+
+
+def accepts(address: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at ``HOST:PORT`` now."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False

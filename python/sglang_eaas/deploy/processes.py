@@ -80,12 +80,12 @@ class Child:
         if self.process is None:
             return []
         self.process.poll()
-        alive = {pid for pid, created in self.seen if _alive(pid, created)}
+        left = {pid for pid, created in self.seen if alive(pid, created)}
         if _group_alive(self.process.pid):  # members it never saw, zombies left out
-            alive |= {p.pid for p in psutil.process_iter(["status"])
-                      if p.info["status"] != psutil.STATUS_ZOMBIE
-                      and _pgid(p.pid) == self.process.pid}
-        return sorted(alive)
+            left |= {p.pid for p in psutil.process_iter(["status"])
+                     if p.info["status"] != psutil.STATUS_ZOMBIE
+                     and _pgid(p.pid) == self.process.pid}
+        return sorted(left)
 
     def kill(self) -> None:
         """SIGKILL to its group and to every process of its tree still there."""
@@ -93,7 +93,7 @@ class Child:
             return
         _signal_group(self.process.pid, signal.SIGKILL)
         for pid, created in self.seen:
-            if _alive(pid, created):
+            if alive(pid, created):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -148,7 +148,7 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def _alive(pid: int, created: float) -> bool:
+def alive(pid: int, created: float) -> bool:
     """Whether this very process (not a later one with its pid) is alive and not a zombie."""
     try:
         p = psutil.Process(pid)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ibgda import TransportError
-from sglang_eaas.addresses import free_port
+from sglang_eaas.addresses import accepts, free_port
 from sglang_eaas.placement import PlacedExperts
 
 _PR_SET_PDEATHSIG = 1
@@ -76,7 +75,7 @@ def start_local_servers(model_path: str | Path, placements: list[PlacedExperts],
         servers.append(LocalServer(address, process))
     deadline = time.monotonic() + startup_timeout
     for server in servers:
-        while not _accepts(server.address):
+        while not accepts(server.address):
             if server.process.poll() is not None or time.monotonic() > deadline:
                 for s in servers:
                     s.stop()
@@ -89,13 +88,6 @@ def start_local_servers(model_path: str | Path, placements: list[PlacedExperts],
     return servers
 
 
-def _accepts(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 class LocalLauncher:
