@@ -23,12 +23,9 @@ process more costs CPU time the others would have used.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +35,7 @@ from sglang_eaas import cpu_runtime
 from sglang_eaas.deploy import DeployError, Deployment, parse_config
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 
-from bench_lib import sharegpt
+from bench_lib import serving_client, sharegpt
 from bench_lib.report import Report, default_out, say
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,29 +119,17 @@ def role(part: str) -> str:
 def bench_serving(url: str, model: Path, dataset: str, args: argparse.Namespace,
                   sharegpt_file: Path, parts: dict[str, int], log: Path) -> dict:
     """One ``python -m sglang.bench_serving`` run against ``url``; its result record, with the
-    deployment's CPU milliseconds per output token (``cpu_ms_per_token``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = Path(tmp) / "result.jsonl"
-        command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
-                   "--base-url", url, *dataset_args(dataset, args, sharegpt_file),
-                   "--num-prompts", str(args.prompts_per_slot * args.concurrency),
-                   "--max-concurrency", str(args.concurrency), "--tokenizer", str(model),
-                   "--seed", "0", "--output-file", str(result_file), "--disable-tqdm"]
-        cpu0 = {name: tree_cpu_seconds(pid) for name, pid in parts.items()}
-        with open(log, "w") as out:
-            out.write(f"$ {shlex.join(command)}\n")
-            out.flush()
-            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=1800)
-        by_role: dict[str, float] = {}
-        for name, pid in parts.items():
-            by_role[role(name)] = by_role.get(role(name), 0.0) + tree_cpu_seconds(pid) - cpu0[name]
-        if done.returncode != 0 or not result_file.exists():
-            raise RuntimeError(f"sglang.bench_serving exited with {done.returncode}; see {log}")
-        record = json.loads(result_file.read_text().splitlines()[-1])
-        # its warm-up request is in ``cpu`` too: one request more than the run's
-        tokens = record["total_output_tokens"] * (1 + 1 / max(record["completed"], 1))
-        return {**record, "cpu_ms_per_token": 1000 * sum(by_role.values()) / tokens,
-                "cpu_ms_by_role": {r: 1000 * c / tokens for r, c in by_role.items()}}
+    deployment's CPU milliseconds per output token (``cpu_ms_per_token``), also by part."""
+    cpu0 = {name: tree_cpu_seconds(pid) for name, pid in parts.items()}
+    record = serving_client.run(url, model, dataset_args(dataset, args, sharegpt_file),
+                                args.prompts_per_slot * args.concurrency, args.concurrency, log)
+    by_role: dict[str, float] = {}
+    for name, pid in parts.items():
+        by_role[role(name)] = by_role.get(role(name), 0.0) + tree_cpu_seconds(pid) - cpu0[name]
+    # its warm-up request is in the CPU time too: one request more than the run's
+    tokens = record["total_output_tokens"] * (1 + 1 / max(record["completed"], 1))
+    return {**record, "cpu_ms_per_token": 1000 * sum(by_role.values()) / tokens,
+            "cpu_ms_by_role": {r: 1000 * c / tokens for r, c in by_role.items()}}
 
 
 def table(results: dict[str, dict[str, dict]], dataset: str) -> str:

@@ -12,11 +12,9 @@ concurrency and their eaas/monolithic ratios. bench_serving's full output goes t
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from sglang_eaas import cpu_runtime
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError
 
+from bench_lib import serving_client
 from bench_lib.report import Report, default_out, say
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,22 +59,11 @@ def parse_args() -> argparse.Namespace:
 def bench_serving(server: SGLangServer, model: Path, concurrency: int, args: argparse.Namespace,
                   log: Path) -> dict:
     """One ``python -m sglang.bench_serving`` run; its result record (the JSON it writes)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = Path(tmp) / "result.jsonl"
-        command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
-                   "--base-url", server.url, "--dataset-name", "random-ids",
-                   "--random-input-len", str(args.input_len), "--random-output-len",
-                   str(args.output_len), "--random-range-ratio", "1.0", "--num-prompts",
-                   str(args.prompts_per_slot * concurrency), "--max-concurrency",
-                   str(concurrency), "--tokenizer", str(model), "--seed", "0",
-                   "--output-file", str(result_file), "--disable-tqdm"]
-        with open(log, "w") as out:
-            out.write(f"$ {shlex.join(command)}\n")
-            out.flush()
-            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=1800)
-        if done.returncode != 0 or not result_file.exists():
-            raise RuntimeError(f"sglang.bench_serving exited with {done.returncode}; see {log}")
-        return json.loads(result_file.read_text().splitlines()[-1])
+    return serving_client.run(
+        server.url, model, ["--dataset-name", "random-ids", "--random-input-len",
+                            str(args.input_len), "--random-output-len", str(args.output_len),
+                            "--random-range-ratio", "1.0"],
+        args.prompts_per_slot * concurrency, concurrency, log)
 
 
 def table(results: dict[str, dict[int, dict]]) -> str:

@@ -90,6 +90,17 @@ class PlacementFile:
         return Holdings(out)
 
 
+def read_utf8(path: str | Path, error: type[Exception]) -> str:
+    """The text of a file a user named (a placement or a deployment's config); ``error`` with
+    one sentence naming the file when it cannot be read or is not UTF-8."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise error(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
 def load_placement_file(path: str | Path, server_names: bool = True) -> PlacementFile:
     """``{"servers": {SERVER: [expert ids] | {layer: [expert ids]}}}`` from a JSON or YAML file
     (the ``"servers"`` key may be left out: a map of servers alone): a list is held in every MoE
@@ -104,12 +115,7 @@ def load_placement_file(path: str | Path, server_names: bool = True) -> Placemen
     """
     import yaml
 
-    try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise PlacementError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        raise PlacementError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    text = read_utf8(path, PlacementError)
     try:
         data = json.loads(text)
     except ValueError as exc:

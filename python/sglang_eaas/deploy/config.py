@@ -20,6 +20,7 @@ from sglang_eaas.placement import (
     PlacementError,
     even_placement,
     load_placement_file,
+    read_utf8,
     parse_expert_list,
 )
 from sglang_eaas.holdings import Holdings
@@ -130,12 +131,7 @@ def load_config(path: str | Path) -> DeployConfig:
     """The config file at ``path``; ``DeployConfigError`` for anything that cannot deploy."""
     import yaml
 
-    try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise DeployConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        raise DeployConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    text = read_utf8(path, DeployConfigError)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
