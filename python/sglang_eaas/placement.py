@@ -101,6 +101,13 @@ def read_utf8(path: str | Path, error: type[Exception]) -> str:
         raise error(f"{path}: not UTF-8 text (byte {exc.start})") from None
 
 
+def yaml_problem(exc: Exception) -> str:
+    """Where and what a YAML syntax error is: `` at line L, column C (PROBLEM)``."""
+    where = getattr(exc, "problem_mark", None)
+    at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+    return f"{at} ({getattr(exc, 'problem', None) or exc})"
+
+
 def load_placement_file(path: str | Path, server_names: bool = True) -> PlacementFile:
     """``{"servers": {SERVER: [expert ids] | {layer: [expert ids]}}}`` from a JSON or YAML file
     (the ``"servers"`` key may be left out: a map of servers alone): a list is held in every MoE
@@ -124,10 +131,7 @@ def load_placement_file(path: str | Path, server_names: bool = True) -> Placemen
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            where = getattr(exc, "problem_mark", None)
-            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-            raise PlacementError(f"{path}: not valid JSON or YAML{at} "
-                                 f"({getattr(exc, 'problem', None) or exc})") from None
+            raise PlacementError(f"{path}: not valid JSON or YAML{yaml_problem(exc)}") from None
     servers = data.get("servers", data) if isinstance(data, dict) else None
     if not isinstance(servers, dict) or not servers:
         raise PlacementError(f"{path}: expected a 'servers' map of server -> expert ids")

@@ -21,6 +21,7 @@ from sglang_eaas.placement import (
     even_placement,
     load_placement_file,
     read_utf8,
+    yaml_problem,
     parse_expert_list,
 )
 from sglang_eaas.holdings import Holdings
@@ -135,10 +136,7 @@ def load_config(path: str | Path) -> DeployConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise DeployConfigError(f"{path}: not valid YAML{at} "
-                                f"({getattr(exc, 'problem', None) or exc})") from None
+        raise DeployConfigError(f"{path}: not valid YAML{yaml_problem(exc)}") from None
     return parse_config(data, str(path))
 
 
