@@ -159,13 +159,15 @@ class DeviceStep:
         Returns ``[T, H]``: every server's partial sums added in server order, as the host path
         (``EaasClient.forward``) adds them.
         """
-        server = self.routing.assign(layer_id, topk_ids)
         weights = topk_weights.float()
         out = torch.zeros_like(hidden)
         for start in range(0, hidden.shape[0], self.max_tokens):
             chunk = slice(start, start + self.max_tokens)
+            # per request, as the host path routes its requests: replicas alternate from each
+            # request's first row, so both paths send the same batches (and get the same bits)
+            server = self.routing.assign(layer_id, topk_ids[chunk])
             for index, channel in enumerate(self.channels):
-                ids = torch.where(server[chunk] == index, topk_ids[chunk], -1)
+                ids = torch.where(server == index, topk_ids[chunk], -1)
                 channel.dispatch(layer_id, hidden[chunk], ids, weights[chunk])
             for channel in self.channels:
                 channel.combine(out[chunk])
