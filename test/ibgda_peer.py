@@ -33,7 +33,7 @@ def payload_bytes(backend: str) -> int:
 
 def main() -> None:
     backend, handle, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-    if backend == "device":
+    if backend == "device" and not torch.cuda.is_available():  # the CPU twin
         os.environ["TRITON_INTERPRET"] = "1"
     import ibgda
 
@@ -72,8 +72,8 @@ def answer_one_echo(transport, n: int) -> None:
     print(json.dumps(region.handle.to_dict()), flush=True)
     while region.load_flag(REQUEST_FLAG) != 1:
         time.sleep(1e-4)
-    request = region.view(DATA, n).view(torch.int32)
-    whole = torch.equal(request, torch.arange(n // 4, dtype=torch.int32))
+    request = region.view(DATA, n).view(torch.int32)  # device memory on a GPU node
+    whole = torch.equal(request.cpu(), torch.arange(n // 4, dtype=torch.int32))
     region.view(DATA + n, n).view(torch.int32).copy_(request * 3)
     region.store_flag(ANSWER_FLAG, 2)
     region.notify(ANSWER_FLAG + 4)

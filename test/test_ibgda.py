@@ -39,8 +39,8 @@ def test_request_and_answer_between_processes(backend, monkeypatch):
     peer = start_peer(backend, region, "echo")
     try:
         assert wait_flag(region, REQUEST_FLAG) == 1
-        request = region.view(DATA, n).view(torch.int32)
-        assert torch.equal(request, torch.arange(n // 4, dtype=torch.int32))  # every byte there
+        request = region.view(DATA, n).view(torch.int32)  # device memory on a GPU node
+        assert torch.equal(request.cpu(), torch.arange(n // 4, dtype=torch.int32))  # every byte
         region.view(DATA + n, n).view(torch.int32).copy_(request * 3)
         region.store_flag(ANSWER_FLAG, 2)
         region.notify(ANSWER_FLAG + 4)

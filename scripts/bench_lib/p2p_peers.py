@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import zmq
 from sglang_eaas.protocol.flags import SlotState
 from sglang_eaas.protocol.header import DType
 from sglang_eaas.protocol.layout import RegionLayout, SlotLayout
@@ -168,6 +167,8 @@ def slot_client(link: Link, handles: list[RegionHandle], index: int, num_clients
 
 def zmq_server(link: Link, kind: str) -> None:
     """REP socket on ``kind`` (ipc or tcp): send every message back; an empty one ends it."""
+    import zmq  # here, not at the top: the slot variants run where pyzmq is missing (a lent GPU)
+
     context = zmq.Context()
     sock = context.socket(zmq.REP)
     ipc_path = os.path.join(tempfile.gettempdir(), f"bench-p2p-{os.getpid()}.sock")
@@ -192,6 +193,8 @@ def zmq_server(link: Link, kind: str) -> None:
 
 def zmq_client(link: Link, address: str, plan: Plan) -> dict[int, float]:
     """REQ socket: zero-copy send of the tensor's bytes, zero-copy view of the reply."""
+    import zmq
+
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     context = zmq.Context()
     sock = context.socket(zmq.REQ)

@@ -298,6 +298,9 @@ class ExpertServer:
                     continue  # its client left; the next pass sees the new one
                 try:
                     header, hidden, ids, weights = slot.request()
+                    if hidden.device.type != "cpu":  # slots in GPU memory (device transport
+                        # on a GPU node): the experts are computed on the CPU, from a copy
+                        hidden, ids, weights = hidden.cpu(), ids.cpu(), weights.cpu()
                     layer = self.held.served(header.layer_id, header.parts)
                     if layer is None:
                         raise HeaderError(RejectReason.UNKNOWN_LAYER, f"layer {header.layer_id}"
