@@ -170,6 +170,13 @@ def lenient_table(holdings: Holdings, moe_layers: list[int], base_experts: int) 
     return RoutingTable.build(0, every, moe_layers, base_experts, allow_missing=True)
 
 
+def uncovered(holdings: Holdings, moe_layers: list[int], num_experts: int) -> str:
+    """What a tier holding ``holdings`` lacks to route every expert of every MoE layer:
+    ``experts [ids] of MoE layer L; ...``, or ``""`` when every expert has a holder."""
+    table = RoutingTable.build(0, holdings, moe_layers, num_experts, allow_missing=True)
+    return "; ".join(f"experts {e} of MoE layer {layer}" for layer, e in table.missing.items())
+
+
 def unroutable(holdings: Holdings, moe_layers: list[int], base_experts: int
                ) -> dict[int, set[int]]:
     """MoE layer -> the model's experts (ids under ``base_experts``) a table of ``holdings``

@@ -9,7 +9,7 @@ from ibgda import TransportError
 from sglang_eaas.membership import current_snapshot
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol.monitor import SERVING
-from sglang_eaas.routing_table import RoutingTable
+from sglang_eaas.routing_table import uncovered
 
 PROBE_PROMPT = "def main():"
 
@@ -37,12 +37,8 @@ def expert_tier(url: str, token: str, addresses: list[str], info: MoeModelInfo) 
     if waiting:
         return f"expert servers {', '.join(waiting)} to register"
     holdings = snapshot.holdings(info.fingerprint()).model_experts(info.num_experts)
-    table = RoutingTable.build(0, holdings, list(info.moe_layers), info.num_experts,
-                               allow_missing=True)
-    if table.missing:
-        return "a live holder for " + "; ".join(f"experts {e} of MoE layer {layer}"
-                                                for layer, e in table.missing.items())
-    return None
+    missing = uncovered(holdings, list(info.moe_layers), info.num_experts)
+    return f"a live holder for {missing}" if missing else None
 
 
 def http_ok(url: str, path: str, timeout: float = 30.0) -> bool:

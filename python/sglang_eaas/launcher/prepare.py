@@ -41,7 +41,7 @@ from sglang_eaas.refusal import Refusal
 from sglang_eaas.placement import PlacementError, even_placement
 from sglang_eaas.protocol import control
 from sglang_eaas.protocol.slot import DTYPE_NAMES, POLL_SPIN_US
-from sglang_eaas.routing_table import RoutingTable
+from sglang_eaas.routing_table import RoutingTable, uncovered
 
 logger = logging.getLogger(__name__)
 LAUNCH_ERRORS = (PlacementError, TransportError, ModelError)  # one sentence each
@@ -263,14 +263,11 @@ def registered_servers(cfg: EaasConfig, info: MoeModelInfo) -> EaasConfig:
             snapshot = backend.watch(revision, 5.0)
             revision = snapshot.revision
             holdings = snapshot.holdings(fingerprint).model_experts(info.num_experts)
-            table = RoutingTable.build(0, holdings, list(info.moe_layers), info.num_experts,
-                                       allow_missing=True)
-            if not table.missing:
+            missing = uncovered(holdings, list(info.moe_layers), info.num_experts)
+            if not missing:
                 logger.info("sglang-eaas: serving with the %d expert servers registered at %s",
                             len(holdings), cfg.monitor)
                 return dataclasses.replace(cfg, expert_servers=RemoteServers(()))
-            missing = "; ".join(f"experts {e} of MoE layer {layer}"
-                                for layer, e in table.missing.items())
             if time.monotonic() > deadline:
                 raise PlacementError(f"after {cfg.wait_for_servers:.0f}s, the monitor "
                                      f"{cfg.monitor} still has no live expert server of this "
