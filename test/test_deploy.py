@@ -286,12 +286,8 @@ class Running:
     def output(self) -> str:
         return "".join(self.lines)
 
-    def wait_for(self, line: str, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(seen.startswith(line) for seen in list(self.lines)):
-            assert self.command.poll() is None, "deploy exited:\n" + self.output()
-            assert time.monotonic() < deadline, f"no {line!r} in:\n{self.output()}"
-            time.sleep(0.2)
+    def wait_for(self, line: str, timeout: float = 300) -> str:
+        return _wait_for_line(self.command, self.lines, line, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +305,7 @@ def pd_deployment(tmp_path_factory):
     reader = threading.Thread(target=lambda: lines.extend(command.stdout), daemon=True)
     reader.start()
     try:
-        url = _wait_serving(command, lines, timeout=900)
+        url = _wait_for_line(command, lines, "deploy: serving at ", timeout=900).split()[3]
         rows = re.findall(r"^([\w-]+) +(\S+).* (\d+) +\S+\.log$", "".join(lines), re.M)
         yield Running(command, lines, url, {name: (address, int(pid))
                                             for name, address, pid in rows}, _tree(command.pid))
@@ -381,15 +377,18 @@ def test_sigterm_stops_the_deployment_in_order_leaving_nothing(pd_deployment):
     assert not accepts(running.url.removeprefix("http://"))
 
 
-def _wait_serving(command: subprocess.Popen, lines: list[str], timeout: float) -> str:
+def _wait_for_line(command: subprocess.Popen, lines: list[str], start: str,
+                   timeout: float) -> str:
+    """The first line of the deploy command's output that begins with ``start``, once it comes;
+    fails when the command exits or ``timeout`` seconds pass first."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         for line in list(lines):
-            if line.startswith("deploy: serving at "):
-                return line.split()[3]
+            if line.startswith(start):
+                return line
         assert command.poll() is None, "deploy exited:\n" + "".join(lines)
-        time.sleep(0.5)
-    raise AssertionError("deploy did not serve in time:\n" + "".join(lines))
+        assert time.monotonic() < deadline, f"no {start!r} in time:\n" + "".join(lines)
+        time.sleep(0.2)
 
 
 def _tree(pid: int) -> list[tuple[int, float, list[str]]]:
