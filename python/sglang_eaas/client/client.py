@@ -272,12 +272,13 @@ class EaasClient:
         server computes the same batches (and bits) on both paths."""
         rows = slice(start, start + handle.step)
         handle.chunk = Chunk(start, handle.ids[rows] >= 0)
-        handle.sent = self._send(handle, handle.chunk)
+        handle.sent = self._send(handle, handle.chunk, first=True)
 
-    def _send(self, handle: Dispatched, chunk: Chunk) -> list[Sent]:
+    def _send(self, handle: Dispatched, chunk: Chunk, first: bool = False) -> list[Sent]:
         """Send every pending entry of ``chunk`` to a holder of its expert (of its part, in a
         TP layer: each server gets at most one part of an expert, so its entries fit ``[rows,
-        K]`` as in EP)."""
+        K]`` as in EP). ``first``: the chunk's first send (its balance goes to ``metrics``;
+        a re-send's does not)."""
         layer_id, rows = handle.layer_id, slice(chunk.start, chunk.start + handle.step)
         table, conns = self.view.table, self.view.connections
         if table.parts(layer_id) != handle.parts:
@@ -292,6 +293,8 @@ class EaasClient:
         parts, handle.epoch = handle.parts, self.view.epoch
         ids, hidden, weights = handle.ids[rows], handle.hidden[rows], handle.topk_weights[rows]
         server_of = table.assign(layer_id, np.where(chunk.pending, ids, -1))
+        if first:
+            self.metrics.exchange(layer_id, server_of, len(table.servers))
         orphans = server_of == NO_HOLDER
         if orphans.any():
             self._record_orphans(layer_id, ids // parts, orphans, handle.row_offset + chunk.start)

@@ -19,18 +19,36 @@ server's ``/metrics`` with SGLang's own. One set per attention rank (label ``ran
                                                 (client/load_recorder.py)
     sglang_eaas_expert_load_imbalance{layer}    the last window's max/mean entries per expert
                                                 (1: even; layers with no entries keep theirs)
+    sglang_eaas_exchange_imbalance{layer}       histogram, one observation per exchange the
+                                                host path starts (a chunk's first send: one
+                                                micro-batch's rows of one MoE layer; not the
+                                                re-sends after a failure): the busiest expert
+                                                server's entries over the mean entries per
+                                                server of the routing table's servers (one
+                                                given nothing counts as 0); 1: even
+                                                (buckets ``EXCHANGE_BUCKETS``)
 
 The load-window metrics are updated on the load sinks' thread (client/load_sinks.py), never
-on the scheduler's.
+on the scheduler's. The exchange histogram is observed on the scheduler's, from the assignment
+the host path has made anyway (its per-server counts are made only with ``--enable-metrics``);
+the device path (client/device_step.py) assigns on the device and does not read the
+assignment back, so it does not observe it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from sglang_eaas.balance.load import LoadWindow
     from sglang_eaas.client.tier import View
+
+# sglang_eaas_exchange_imbalance's buckets (busiest server / mean; +Inf is added)
+EXCHANGE_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 4.0)
 
 
 def metrics_enabled() -> bool:
@@ -68,27 +86,34 @@ class TierMetrics:
     def load_window(self, window: "LoadWindow") -> None:
         pass
 
+    def exchange(self, layer: int, server_of: np.ndarray, servers: int) -> None:
+        """An exchange starts: ``server_of`` (``ExpertRouting.assign``'s answer: a server
+        index per entry, < 0 for none) over a table of ``servers`` servers."""
+
 
 class PrometheusTierMetrics(TierMetrics):
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, registry: "CollectorRegistry | None" = None):
+        """``registry``: where the metrics register; prometheus_client's default one (what
+        SGLang's ``/metrics`` serves) unless given."""
         # Imported here: prometheus_client must see PROMETHEUS_MULTIPROC_DIR first.
-        from prometheus_client import Counter, Gauge
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
+        on = {"registry": REGISTRY if registry is None else registry}
         labels = {"rank": str(rank)}
         per_server = ["rank", "server"]
         self._rank = str(rank)
         self._requests = Counter("sglang_eaas_server_requests", "Requests sent to each expert "
-                                 "server", per_server)
+                                 "server", per_server, **on)
         self._timeouts = Counter("sglang_eaas_server_timeouts", "Results that did not come "
-                                 "within the result timeout", per_server)
+                                 "within the result timeout", per_server, **on)
         self._failovers = Counter("sglang_eaas_failovers", "Times an expert server was dropped "
-                                  "from the routing table by this rank", per_server)
+                                  "from the routing table by this rank", per_server, **on)
         self._failed = Counter("sglang_eaas_failed_requests", "Requests ended because an expert "
-                               "they needed had no live holder", ["rank"]).labels(**labels)
+                               "they needed had no live holder", ["rank"], **on).labels(**labels)
         self._layers = Counter(
             "sglang_eaas_dispatched_layers", "MoE layers sent to the expert servers, by "
-            "micro-batch (1: the second one of two-batch overlap)", ["rank", "micro_batch"])
-        gauge = dict(labelnames=["rank"], multiprocess_mode="livemostrecent")
+            "micro-batch (1: the second one of two-batch overlap)", ["rank", "micro_batch"], **on)
+        gauge = dict(labelnames=["rank"], multiprocess_mode="livemostrecent", **on)
         self._epoch = Gauge("sglang_eaas_table_epoch", "Epoch of the routing table in use",
                             **gauge).labels(**labels)
         self._servers = Gauge("sglang_eaas_table_servers", "Expert servers in the routing "
@@ -97,13 +122,21 @@ class PrometheusTierMetrics(TierMetrics):
                               "live expert server", **gauge).labels(**labels)
         self._expert_tokens = Counter("sglang_eaas_expert_tokens", "Top-k entries this rank "
                                       "routed to each expert of each MoE layer",
-                                      ["rank", "layer", "expert"])
+                                      ["rank", "layer", "expert"], **on)
         self._imbalance = Gauge("sglang_eaas_expert_load_imbalance", "The last load window's "
                                 "max/mean entries per expert, per MoE layer",
-                                labelnames=["rank", "layer"], multiprocess_mode="livemostrecent")
+                                labelnames=["rank", "layer"], multiprocess_mode="livemostrecent",
+                                **on)
         self._parts = Gauge("sglang_eaas_layer_parts", "Each MoE layer's layout in the routing "
                             "table in use: 1 expert parallel, P tensor parallel over P parts",
-                            labelnames=["rank", "layer"], multiprocess_mode="livemostrecent")
+                            labelnames=["rank", "layer"], multiprocess_mode="livemostrecent",
+                            **on)
+        self._exchange = Histogram(
+            "sglang_eaas_exchange_imbalance", "Per exchange the host path starts (one "
+            "micro-batch's rows of one MoE layer): the busiest expert server's entries over "
+            "the mean per server of the routing table's servers", ["rank", "layer"],
+            buckets=EXCHANGE_BUCKETS, **on)
+        self._by_layer: dict[int, object] = {}
         self._by_server: dict[str, tuple] = {}
         self._by_expert: dict[tuple[int, int], object] = {}
 
@@ -150,3 +183,14 @@ class PrometheusTierMetrics(TierMetrics):
             if line.any():
                 self._imbalance.labels(rank=self._rank, layer=str(layer)).set(
                     float(line.max() / line.mean()))
+
+    def exchange(self, layer: int, server_of: np.ndarray, servers: int) -> None:
+        assigned = server_of[server_of >= 0]
+        if not assigned.size or servers < 1:
+            return
+        child = self._by_layer.get(layer)
+        if child is None:
+            child = self._by_layer[layer] = self._exchange.labels(rank=self._rank,
+                                                                  layer=str(layer))
+        busiest = int(np.bincount(assigned, minlength=servers).max())
+        child.observe(busiest * servers / assigned.size)
