@@ -151,7 +151,10 @@ def _routing(servers, placement: list[list[int]]) -> DeviceRoutingTable:
 
 @pytest.mark.parametrize("placement", [[[0, 1, 2, 3], [4, 5, 6, 7]], PLACEMENT,
                                        [[0, 1, 2, 3, 4], [3, 4, 5, 6, 7], [0, 7, 2]]])
-def test_device_routing_is_the_host_routing(placement):
+def test_device_routing_is_the_host_routing(placement, monkeypatch):
+    """Replicated experts' entries are dealt by load (``dealing``) the same way on the device
+    (torch ops and the Triton kernel) as on the host (the C++ op)."""
+    _interpreted_without_a_gpu(monkeypatch)
     names = [f"s{i}:1" for i in range(len(placement))]
     table, rng = _table(names, placement), np.random.default_rng(len(placement[0]))
     device = DeviceRoutingTable(table, DEVICE)
@@ -188,8 +191,7 @@ def test_device_exchange_equals_the_host_exchange(client_of, tiny_qwen3):
 
 def test_replicas_are_split_per_request_as_on_the_host_path(client_of, tiny_qwen3, monkeypatch):
     """A batch longer than one request is sent in several; within each, the entries of a
-    replicated expert alternate between its holders from the request's first row, as the host
-    path sends them. (Split over the whole batch instead, a row's three or more partial sums
+    replicated expert are dealt by load within the request, as the host path deals them. (Split over the whole batch instead, a row's three or more partial sums
     would add in another order: other bits, with top-4.)"""
     info = MoeModelInfo.from_model_path(tiny_qwen3)
     client = client_of("requests")

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "python" / "sglang_eaas"
 # Bottom up. A part is a top-level module or subpackage of sglang_eaas.
 LAYERS = (
     # records, parsing and the machine: nothing of the project's below them
-    {"envs", "addresses", "holdings", "model_info", "corpus", "training", "transports",
+    {"envs", "addresses", "holdings", "model_info", "corpus", "training", "transports", "dealing",
      "request_checks", "refusal"},
     # wire records (protocol/), placement files, stock SGLang on a CPU
     {"placement", "checkpoint", "protocol", "cpu_runtime", "slices"},

@@ -45,12 +45,13 @@ def test_uncovered_or_unknown_experts_are_refused():
         ExpertRouting([[0, 1, 2, 3, 9]], 4)
 
 
-def test_assignment_follows_the_placement_and_splits_replicas_evenly():
+def test_assignment_follows_the_placement_and_deals_replicas_to_the_least_loaded():
     routing = ExpertRouting([[0, 1], [1, 2], [1, 3]], 4)  # expert 1 on three servers
-    ids = torch.tensor([[1, 0]] * 7 + [[2, 3], [-1, 1]])
+    ids = torch.tensor([[1, 0], [1, 0], [2, 0], [-1, 1]])
     servers = torch.from_numpy(routing.assign(ids.numpy()))
-    assert servers[:, 1][:7].tolist() == [0] * 7  # expert 0 lives on server 0 only
-    ones = servers[ids == 1]
-    assert sorted(torch.bincount(ones, minlength=3).tolist()) == [2, 3, 3]
-    assert servers[7].tolist() == [1, 2] and servers[8, 0] == -1
+    assert servers[:, 1][:3].tolist() == [0, 0, 0]  # expert 0 lives on server 0 only
+    assert servers[2, 0] == 1 and servers[3, 0] == -1
+    # expert 1's three entries go to servers 1 and 2, which had one entry and none, not to
+    # server 0, which has three
+    assert sorted(servers[ids == 1].tolist()) == [1, 2, 2]
     assert torch.equal(torch.from_numpy(routing.assign(ids.numpy())), servers)  # deterministic

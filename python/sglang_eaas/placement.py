@@ -10,6 +10,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from sglang_eaas.addresses import AddressError, parse_address
+from sglang_eaas.dealing import NO_HOLDER, deal_entries
 from sglang_eaas.holdings import Holdings, ServerHoldings
 
 # What a placement file says one server holds: the same experts in every MoE layer, or per layer.
@@ -185,16 +186,14 @@ def _check_server_name(entry: str, name: object) -> None:
         raise PlacementError(f"{entry}: {exc}") from None
 
 
-NO_HOLDER = -2  # what ``ExpertRouting.assign`` gives an entry whose expert no server holds
-
-
 class ExpertRouting:
     """Global expert id -> the servers holding it; assigns each (token, k) entry to one server.
 
-    An expert on several servers (replicas) has its entries of a batch dealt round-robin over
-    them in token order: deterministic, and even to within one entry. With ``allow_missing``, an
-    expert no server holds (its last holder was lost) is kept in ``missing`` and its entries are
-    assigned ``NO_HOLDER``; otherwise it is a ``PlacementError``.
+    An expert on several servers (replicas) has its entries of an exchange dealt by load
+    (``dealing``): the servers' entry counts for the exchange come out as even as the holdings
+    allow, deterministically for the same ids. With ``allow_missing``, an expert no server
+    holds (its last holder was lost) is kept in ``missing`` and its entries are assigned
+    ``NO_HOLDER``; otherwise it is a ``PlacementError``.
     """
 
     def __init__(self, server_experts: list[list[int]], num_experts: int,
@@ -211,28 +210,24 @@ class ExpertRouting:
             raise PlacementError(f"experts {self.missing} are on no expert server")
         self.num_servers = len(server_experts)
         width = max(1, max(len(h) for h in holders))
-        self.replicas = np.array([max(1, len(h)) for h in holders])
+        self.replicas = np.array([max(1, len(h)) for h in holders], dtype=np.int64)
         self.table = np.array([(h + h[:1] * (width - len(h))) if h else [NO_HOLDER] * width
                                for h in holders], dtype=np.int64).reshape(num_experts, width)
         self.has_replicas = width > 1
+        self._tensors = None  # the tables as torch tensors sharing their memory, on first use
 
     def assign(self, expert_ids: np.ndarray) -> np.ndarray:
         """``[T, K]`` expert ids -> ``[T, K]`` server index per entry (-1 for id -1,
-        ``NO_HOLDER`` for an expert no server holds).
+        ``NO_HOLDER`` for an expert no server holds), one exchange dealt by load."""
+        if not self.has_replicas:  # nothing to deal: one gather
+            flat = np.asarray(expert_ids).reshape(-1)
+            valid = flat >= 0
+            server = np.full(flat.shape, -1, dtype=np.int64)
+            server[valid] = self.table[flat[valid], 0]
+            return server.reshape(np.shape(expert_ids))
+        if self._tensors is None:
+            import torch
 
-        NumPy, not torch: this is bookkeeping on a few small integer arrays, where NumPy's
-        per-call cost is a fraction of torch's.
-        """
-        flat = expert_ids.reshape(-1)
-        valid = flat >= 0
-        ids = flat[valid]
-        server = np.full(flat.shape, -1, dtype=np.int64)
-        if not self.has_replicas:
-            server[valid] = self.table[ids, 0]
-        else:
-            order = np.argsort(ids, kind="stable")
-            sorted_ids = ids[order]
-            rank = np.empty_like(ids)
-            rank[order] = np.arange(ids.size) - np.searchsorted(sorted_ids, sorted_ids)
-            server[valid] = self.table[ids, rank % self.replicas[ids]]
-        return server.reshape(expert_ids.shape)
+            self._tensors = (torch.from_numpy(self.table), torch.from_numpy(self.replicas))
+        return deal_entries(expert_ids, self.table, self.replicas, self.num_servers,
+                            *self._tensors)

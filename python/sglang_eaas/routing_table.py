@@ -211,8 +211,8 @@ class DeviceRoutingTable:
 
     A captured CUDA graph keeps pointers to these tensors, so it stays valid when the table
     changes; what cannot change in place is the set of servers (each has a channel with its own
-    buffers), nor the layers. Assignment is ``ExpertRouting.assign``'s, in torch ops that read
-    nothing back to the host: per (token, k) the expert's ``rank``-th replica in token order.
+    buffers), nor the layers. Assignment is ``ExpertRouting.assign``'s, in torch ops and one
+    Triton kernel that read nothing back to the host.
     """
 
     def __init__(self, table: RoutingTable, device: torch.device | str):
@@ -243,15 +243,38 @@ class DeviceRoutingTable:
         self.epoch = table.epoch
 
     def assign(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
-        """``[T, K]`` expert ids of ``layer`` -> ``[T, K]`` server indices (-1 for id -1)."""
+        """``[T, K]`` expert ids of ``layer`` -> ``[T, K]`` server indices (-1 for id -1),
+        dealt by load as ``ExpertRouting.assign`` deals them (``dealing``'s rule: steps 1 and 3
+        and step 2's order in torch ops, step 2 in ``sgl_kernel_ext.deal_entries_kernel``),
+        nothing read back."""
+        from sgl_kernel_ext.deal_entries_kernel import launch_deal
+
         row = self.rows[layer]
         holders, replicas = self.holders[row], self.replicas[row]
         flat = expert_ids.reshape(-1).long()
         valid = flat >= 0
         ids = flat.clamp(min=0)
-        # position among the earlier entries of the same expert (always computed: whether a
-        # table has replicas is device data, and a graph must not depend on it)
+        # (always computed: whether a table has replicas is device data, and a graph must not
+        # depend on it)
         seen = torch.nn.functional.one_hot(ids, self.num_experts) * valid.unsqueeze(1)
-        rank = seen.cumsum(0).gather(1, ids.unsqueeze(1)).squeeze(1) - 1
-        server = holders[ids, rank % replicas[ids]]
+        counts = seen.sum(0)
+        rank = seen.cumsum(0).gather(1, ids.unsqueeze(1)).squeeze(1) - 1  # among its expert's
+        single = (replicas == 1) & (holders[:, 0] >= 0)
+        load = counts.new_zeros(len(self.servers)).scatter_add_(  # step 1
+            0, holders[:, 0].clamp(min=0), counts * single)
+        # step 2's order: the replicated experts with entries, most first, then by id (unique
+        # keys: no tie for the sort to break); round q deals the first dealing[q] of them
+        experts = torch.arange(self.num_experts, device=counts.device)
+        dealing_now = (replicas > 1) & (counts > 0)
+        order = torch.argsort(torch.where(dealing_now, -counts * self.num_experts + experts,
+                                          self.num_experts * (flat.numel() + 1)))
+        rounds = torch.arange(flat.numel(), device=counts.device)  # at most N entries each
+        ascending = torch.sort(counts * dealing_now).values
+        dealing = self.num_experts - torch.searchsorted(ascending, rounds, right=True)
+        first = counts.cumsum(0) - counts
+        dealt = torch.zeros_like(flat)
+        launch_deal(order, dealing, ascending[-1:], first, replicas, holders, load,
+                    (flat * valid).sum().reshape(1), dealt)
+        place = (first[ids] + rank).clamp(0, max(0, flat.numel() - 1))  # step 3
+        server = torch.where(replicas[ids] > 1, dealt[place], holders[ids, 0])
         return torch.where(valid, server, -1).reshape(expert_ids.shape)

@@ -2,7 +2,9 @@
 ``grouped_expert`` (rows sorted by expert, in groups) and ``expert_sum`` (one MoE layer's
 weighted expert sum from the routing, what the expert server calls); and, in the same library
 (``csrc/cpu/esft_reroute.cpp``), ``esft_reroute`` (ESFT adapters' batched rerouting of the
-top-k expert ids, what the client runs before dispatch; ``esft_reroute.reroute`` wraps it).
+top-k expert ids, what the client runs before dispatch; ``esft_reroute.reroute`` wraps it) and
+(``csrc/cpu/deal_entries.cpp``) ``deal_entries`` (one exchange's entries dealt to expert servers
+by load, what the client's ``placement.ExpertRouting.assign`` runs).
 
 Built with torch's extension tooling (``torch.utils.cpp_extension.load``: ninja and the C++
 compiler) into a folder named after a digest of the source, torch and Python versions and flags,
@@ -35,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 NAME = "sgl_kernel_ext_cpu"
 CSRC = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
-SOURCES = (CSRC / "grouped_expert.cpp", CSRC / "esft_reroute.cpp")
+SOURCES = (CSRC / "grouped_expert.cpp", CSRC / "esft_reroute.cpp", CSRC / "deal_entries.cpp")
 # -fopenmp: at::parallel_for is inline and runs serially in code compiled without it. The
 # library then needs libgomp.so.1, which is torch's own (loaded with torch, under that name).
 # -ffp-contract=off: expert_sum's weighted sum multiplies, then adds (as torch's mul and sum
@@ -194,6 +196,16 @@ def esft_reroute(ids: torch.Tensor, aid: torch.Tensor, pi: torch.Tensor,
     contract. One pass over the entries, on ``torch.get_num_threads()`` threads when there are
     enough of them (65536 or more)."""
     return ops().esft_reroute(ids, aid, pi, check_aid)
+
+
+def deal_entries(ids: torch.Tensor, holders: torch.Tensor, replicas: torch.Tensor,
+                 num_servers: int) -> torch.Tensor:
+    """int64 in ``ids``' shape: the server index of each entry, dealt by load (the rule is in
+    ``csrc/cpu/deal_entries.cpp`` and docs/balancing.md; -1 for an id < 0, -2 for an expert no
+    server holds). ``ids`` int32/int64 of any shape, ``holders int64 [E, W]`` (row ``e``: its
+    holders in the first ``replicas[e]`` columns), ``replicas int64 [E]``: CPU tensors. A bad
+    table or an id >= E raises ``ValueError`` in one sentence."""
+    return ops().deal_entries(ids, holders, replicas, num_servers)
 
 
 if __name__ == "__main__":  # python -m sgl_kernel_ext.cpu_ops: build now (scripts/setup.sh)

@@ -1,7 +1,8 @@
 """What a placement does to one MoE layer's load: tokens per server, max/mean, straggler time.
 
-Tokens of an expert are split over its holders as ``ExpertRouting`` splits them: evenly (with
-``whole_tokens``, dealt one by one in server order, as one step's round-robin does). ``copies``
+Tokens of an expert are split over its holders as ``ExpertRouting`` splits them: evenly over a
+window of many steps, or (``whole_tokens``, one exchange's integer counts) dealt by load exactly
+as the client deals them (``dealing.deal_counts``). ``copies``
 models a server that holds several physical copies of one expert (SGLang's EPLB may put two on
 one GPU): that server gets that many shares of the expert's tokens and streams that many
 weight sets. docs/balancing.md, "Evaluation", gives the time model.
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
+
+from sglang_eaas.dealing import NO_HOLDER, deal_counts, exchange_offset
 
 LayerCopies = Mapping[str, Mapping[int, int]]  # server -> expert -> physical copies there (>= 1)
 
@@ -42,9 +45,10 @@ def layer_load(placement: Mapping[str, Sequence[int]], load: np.ndarray,
     """Per-server tokens of ``load`` (``[E]`` tokens per expert) under ``placement``
     (``{server: experts}``, every expert with load held somewhere).
 
-    ``whole_tokens``: ``load`` is one step's integer counts; an expert's ``n`` tokens over ``r``
-    holders give the first ``n % r`` holders (in ``placement``'s order) one more, and a holder
-    with no token streams no weights. Otherwise shares are fractional (a window of many steps).
+    ``whole_tokens``: ``load`` is one exchange's integer counts (one step's, when a step is one
+    exchange), dealt by load as the client deals them (``dealing``), copies as holders; a
+    holder with no token streams no weights. Otherwise shares are fractional (a window of many
+    steps: an expert's tokens split evenly over its copies).
     """
     load = np.asarray(load, dtype=np.float64)
     servers = tuple(placement)
@@ -57,17 +61,35 @@ def layer_load(placement: Mapping[str, Sequence[int]], load: np.ndarray,
     if unheld.size:
         raise ValueError(f"experts {unheld.tolist()} have load but no holder")
     if whole_tokens:
-        shares = np.zeros(count.shape, dtype=np.float64)
-        for e in np.flatnonzero(load > 0):
-            n, r = int(load[e]), int(holders[e])
-            slot = np.repeat(np.arange(len(servers)), count[:, e])  # one entry per copy
-            dealt = n // r + (np.arange(r) < n % r)
-            np.add.at(shares[:, e], slot, dealt)
-            count[:, e] = np.bincount(slot, weights=dealt > 0, minlength=len(servers))
+        shares, count = _dealt(count, load.astype(np.int64))
     else:
         shares = count * np.divide(load, holders, out=np.zeros_like(load), where=holders > 0)
     active = np.where(shares > 0, count, 0).sum(axis=1)
     return LayerLoad(servers, shares.sum(axis=1), active.astype(np.int64))
+
+
+def _dealt(count: np.ndarray, load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``count [S, E]`` copies, ``load [E]`` one exchange's entries -> (``[S, E]`` entries each
+    server takes as the client deals them, ``[S, E]`` its copies that take any)."""
+    servers, experts = count.shape
+    per_expert = [np.repeat(np.arange(servers), count[:, e]) for e in range(experts)]
+    width = max(1, max(len(h) for h in per_expert))
+    table = np.full((experts, width), NO_HOLDER, dtype=np.int64)
+    for e, h in enumerate(per_expert):
+        if h.size:
+            table[e] = np.concatenate([h, np.full(width - h.size, h[0])])
+    replicas = np.maximum(1, count.sum(axis=0))
+    shares = np.zeros(count.shape, dtype=np.float64)
+    used = np.zeros(count.shape, dtype=np.int64)
+    single = (replicas == 1) & (load > 0)
+    shares[table[single, 0], np.flatnonzero(single)] = load[single]
+    used[table[single, 0], np.flatnonzero(single)] = 1
+    for e, columns in deal_counts(load, table, replicas, servers,
+                                  exchange_offset(load)).items():
+        np.add.at(shares[:, e], table[e, columns], 1)
+        took = np.unique(columns)  # the copies that take any
+        np.add.at(used[:, e], table[e, took], 1)
+    return shares, used
 
 
 def replica_counts(placement: Mapping[str, Sequence[int]], num_experts: int) -> np.ndarray:
