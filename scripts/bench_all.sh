@@ -26,6 +26,8 @@ runs=(
   "scripts/bench_balance.py --no-live --shifts '' --batch 256 --requests-per-half 512 --out .cache/bench/balance-zipf256.md"
   "scripts/bench_balance.py --window 1 --no-live --shifts A:B --zipf 1.4 --out .cache/bench/balance-window1.md"
   "scripts/bench_balance_scale.py"
+  "scripts/bench_dealing.py"
+  "scripts/bench_live_balance.py"
   "scripts/bench_esft.py"
 )
 began=$SECONDS
