@@ -1,7 +1,7 @@
 """bench_balance's measured MoE-layer time: the expert servers' kernel on each server's share.
 
 For one decode step and MoE layer under a placement, each server gets what the client would
-send it: ``ExpertRouting`` deals a replicated expert's entries round-robin over its holders (an
+send it: ``ExpertRouting`` deals a replicated expert's entries by load over its holders (an
 EPLB double on one server counts as two holders there, each its own weight set, as SGLang runs
 it), and a server gets the tokens with an entry on it, those entries as its local rows. Its time
 is one ``weighted_expert_sum`` (the fast kernel, 1 thread) over the trained checkpoint's

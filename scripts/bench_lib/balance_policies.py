@@ -139,8 +139,8 @@ def schedule(policy: str, actual: np.ndarray, predicted: Optional[np.ndarray],
 class Outcome:
     """One policy on one trace. ``ratio [windows, L]``: busiest server's tokens over the mean
     per window; ``tokens``/``active`` ``[S, L, N]``: per step the entries each server computes
-    and its weight sets with entries (one step's round-robin deal); ``adds [windows]``: replicas
-    loaded to get from window ``t-1``'s placement to window ``t``'s."""
+    and its weight sets with entries (one step dealt by load, as the client deals it); ``adds
+    [windows]``: replicas loaded to get from window ``t-1``'s placement to window ``t``'s."""
 
     policy: str
     placed: list[Placed]

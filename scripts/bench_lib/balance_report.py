@@ -75,9 +75,9 @@ def result_table(traces: list[StepTrace], results: dict, measured: dict,
         "Per trace and placement, means over windows 1.. (window 0 has no past) and MoE layers: "
         "**max/mean**, the busiest server's tokens over the mean in a window (and in the "
         "first window after the shift) and in a single step (one step's entries dealt "
-        "round-robin over an expert's holders); **measured**, the MoE layer's straggler time per "
-        f"decode step (the slowest server's kernel call, each the fastest of its timed "
-        f"repeats) over {timed} "
+        "by load over an expert's holders, as the client deals them); **measured**, the MoE "
+        "layer's straggler time per decode step (the slowest server's kernel call, each the "
+        f"fastest of its timed repeats) over {timed} "
         "timed windows per trace; **modelled**, the fitted model's straggler time over all "
         "windows; weight sets held per layer; replicas loaded per window (moves from the "
         "previous window's placement):",
