@@ -30,7 +30,8 @@ nvidia-nvshmem-cu13 wheel; installs nothing from the network. Steps on a GPU, in
   nvshmem            python -m gpu_lib.nvshmem_one_gpu: NVSHMEM job of one PE, put/wait/read
   triton-tests       test_kernel_ext.py and test_esft_reroute.py with the Triton kernels native
   device-step-tests  test_device_step.py natively (header kernels, real expert servers)
-  timings            python -m gpu_lib.timings: device P2P round trip, grouped GEMM vs torch
+  timings            python -m gpu_lib.timings: device P2P round trip, grouped GEMM vs torch,
+                     the device path's dealing of replicated experts
 Each step has its own timeout, and all of them together stay inside GPU_CHECK_BUDGET seconds
 (default 540), so the report is written before a 10-minute limit. A step whose prerequisite
 failed is skipped. Exit status: 0 when every step passed, 1 otherwise.
@@ -113,7 +114,7 @@ STEPS=(
   "nvshmem|native|90|NVSHMEM initialises on one GPU and its put/wait/read kernels run (a job of one PE)|$PY -m gpu_lib.nvshmem_one_gpu"
   "triton-tests|cpu-kernel|240|the Triton kernels (group shrink, static grid, grouped GEMM, ESFT rerouting) run natively and equal the references the CPU tests use|${PYTEST[*]} $NOT_CPU_ONLY ${TRITON_FILES[*]}"
   "device-step-tests|native cpu-kernel|240|the client's device path natively: header kernels equal the host's struct code, exchanges with real expert servers equal the host path, failures reach the host|${PYTEST[*]} $NOT_CPU_ONLY test/test_device_step.py"
-  "timings|native|150|device P2P round trip (vs shm and memcpy) and the grouped expert GEMM (Triton vs torch) on this GPU|$PY -m gpu_lib.timings"
+  "timings|native|150|device P2P round trip (vs shm and memcpy), the grouped expert GEMM (Triton vs torch) and the device path's dealing of replicated experts (equal to the host's, then timed) on this GPU|$PY -m gpu_lib.timings"
 )
 step_field() { local IFS='|'; read -r -a f <<<"$1"; echo "${f[$2]}"; }
 step_command() { echo "${1#*|*|*|*|}"; }

@@ -1,6 +1,6 @@
 """GPU check: timings on one GPU, small sizes (well under a minute).
 
-    python -m gpu_lib.timings [--only gemm|p2p] [--iterations N]
+    python -m gpu_lib.timings [--only gemm|deal|p2p] [--iterations N]
 
 * ``p2p``: the slot protocol's round trip between two processes (scripts/bench_p2p.py's harness,
   ``bench_lib.p2p_peers.run_slots``): a client process sends a ``(bs, 7168)`` bfloat16 tensor
@@ -13,6 +13,11 @@
   at Qwen3-30B-A3B's expert shape (H 2048, I 768, 128 experts, top-8); medians of
   ``triton.testing.do_bench``. The Triton result must match the reference within the tests'
   bfloat16 tolerance first.
+* ``deal``: the device path's routing (``routing_table.DeviceRoutingTable.assign``: torch ops
+  and the Triton dealing kernel, docs/balancing.md "Dealing replicated experts") of one MoE
+  layer at DeepSeek-V3's size (256 experts, top-8) over 16 servers with 64 experts replicated,
+  at batch 1-64: its servers must equal the host path's (the C++ op) first, then medians of
+  ``triton.testing.do_bench`` in microseconds, the host path's beside them (timed on the CPU).
 
 Prints ``RESULT: name=value`` lines; exit 0 when every correctness check held, 1 otherwise, 2
 without a GPU.
@@ -96,11 +101,44 @@ def gemm() -> None:
                f"{ms['torch bf16 loop'] / ms['triton']:.2f}x the bf16 loop")
 
 
+def deal() -> None:
+    import time
+
+    import numpy as np
+    from triton.testing import do_bench
+
+    from sglang_eaas.routing_table import DeviceRoutingTable, RoutingTable
+
+    experts, servers, top_k = 256, 16, 8
+    rng = np.random.default_rng(0)
+    held = {f"s{s}:1": list(range(s * 16, s * 16 + 16)) for s in range(servers)}
+    for e in range(64):  # the hottest 64 of a Zipf load replicated once, on another server
+        held[f"s{(e // 16 + 1 + e % 3) % servers}:1"].append(e)
+    table = RoutingTable.uniform(0, held, [0], experts)
+    device = DeviceRoutingTable(table, "cuda")
+    popularity = 1 / np.arange(1, experts + 1)
+    for batch in (1, 8, 64):
+        ids = np.stack([rng.choice(experts, top_k, replace=False,
+                                   p=popularity / popularity.sum()) for _ in range(batch)])
+        on_gpu = torch.from_numpy(ids).cuda()
+        got = device.assign(0, on_gpu).cpu().numpy()
+        if not np.array_equal(got, table.assign(0, ids)):
+            raise AssertionError(f"batch {batch}: the device path dealt other servers than the "
+                                 "host path")
+        gpu_us = do_bench(lambda: device.assign(0, on_gpu), return_mode="median") * 1e3
+        began = time.perf_counter()
+        for _ in range(1000):
+            table.assign(0, ids)
+        host_us = (time.perf_counter() - began) * 1e3
+        result(f"deal_bs{batch}_us", f"device {gpu_us:.1f} host {host_us:.1f} "
+                                     f"({batch * top_k} entries, equal servers)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu_lib.timings",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["gemm", "p2p"], default=None,
-                        help="run one of the two timings (default: both)")
+    parser.add_argument("--only", choices=["gemm", "deal", "p2p"], default=None,
+                        help="run one of the timings (default: all)")
     parser.add_argument("--iterations", type=int, default=50,
                         help="timed round trips per batch size in p2p (default %(default)s)")
     args = parser.parse_args(argv)
@@ -111,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     failed = False
     # gemm first: a p2p round trip that hangs (up to bench_p2p's 60 s timeout) comes last
-    for name, run in (("gemm", gemm), ("p2p", lambda: p2p(args.iterations))):
+    for name, run in (("gemm", gemm), ("deal", deal), ("p2p", lambda: p2p(args.iterations))):
         if args.only in (None, name):
             try:
                 run()
