@@ -89,16 +89,27 @@ def test_the_default_state_path_is_per_monitor(tmp_path, monkeypatch):
     assert default_state_path("h:1").is_relative_to(os.path.expanduser("~/.cache"))
 
 
-def test_a_dry_run_remembers_in_memory_only_and_a_real_pass_keeps_silent_servers(tmp_path):
+def test_a_dry_run_remembers_in_memory_only_a_real_pass_keeps_silent_servers(tmp_path):
     path = tmp_path / "state.json"
     dry = Remembered(path, "m:1", dry_run=True)
-    dry.remember([_counters(l0={1: 2})])
+    dry.remember([_counters(l0={1: 2})], ["a:1"])
     assert not path.exists() and dry.counters["a:1"].entries == {0: {1: 2}}
     real = Remembered(path, "m:1", dry_run=False)
-    real.remember([_counters(l0={1: 2}), _counters("b:2", l0={3: 1})])
-    real.remember([_counters(at=200.0, l0={1: 9})])  # b:2 did not answer this time
+    real.remember([_counters(l0={1: 2}), _counters("b:2", l0={3: 1}), _counters("c:3")],
+                  ["a:1", "b:2", "c:3"])
+    # b:2 did not answer this time; c:3 left the tier
+    real.remember([_counters(at=200.0, l0={1: 9})], ["a:1", "b:2"])
     state, _ = read_state(path)
+    assert sorted(state) == ["a:1", "b:2"]
     assert state["a:1"].read_at == 200.0 and state["b:2"].entries == {0: {3: 1}}
+
+
+def test_a_corrupt_state_file_is_one_warning_and_no_state(tmp_path, capsys):
+    path = tmp_path / "state.json"
+    path.write_text('{"servers": 3}')
+    assert Remembered(path, "m:1", dry_run=False).counters == {}
+    out = capsys.readouterr().out
+    assert out.startswith("rebalance: warning: the state file") and out.count("\n") == 1
 
 
 def test_a_server_that_does_not_answer_is_said(tmp_path):

@@ -159,9 +159,11 @@ class Remembered:
                     "it started")
         return now, measured
 
-    def remember(self, now: list[Counters]) -> None:
-        """Keep ``now`` (and the last counters of servers that did not answer)."""
-        self.counters = {**self.counters, **{c.server: c for c in now}}
+    def remember(self, now: list[Counters], servers: list[str]) -> None:
+        """Keep ``now``, and the last counters of the other ``servers`` (those that did not
+        answer); servers no longer in the tier are forgotten."""
+        kept = {**self.counters, **{c.server: c for c in now}}
+        self.counters = {s: kept[s] for s in servers if s in kept}
         if self.dry_run:
             return
         try:
@@ -237,7 +239,7 @@ def one_pass(monitor, history: LoadHistory, remembered: Remembered, args, token:
     slots = args.slots or default_slots(current, got.num_experts)
     options = {"cv_target": args.cv_target} if args.policy == "moeless" else {}
     decided = plan(current, load, layers, slots, args.policy, **options)
-    remembered.remember(got.counters)
+    remembered.remember(got.counters, sorted(current))
     say(f"rebalance: {len(current)} expert servers, {slots} slots per MoE layer each, "
         f"{got.what}; policy {args.policy}")
     for layer, before, after in zip(decided.layers, decided.before, decided.after):
