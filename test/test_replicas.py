@@ -254,11 +254,13 @@ def test_a_client_that_never_learns_of_a_drop(servers, client_of, info, hf_exper
     assert back is None or list(back[layer]) == [6, 7], back
 
 
-def test_the_balancer_replicates_a_hot_expert(servers, client_of, monitor, info, hf_experts):
+def test_the_balancer_replicates_a_hot_expert(servers, client_of, monitor, info, hf_experts,
+                                             tmp_path):
     """Every token of MoE layer 0 needs experts 2 and 3, which only server 0 holds: the
-    client's load windows reach the monitor with its heartbeats; ``tools.rebalance`` reads
-    them, gives 2 and 3 replicas on other servers (from server 0's copy) and frees room for
-    them; the client's next steps spread those tokens, and every sum stays right."""
+    client's load windows reach the monitor with its heartbeats; ``tools.rebalance --load
+    clients`` reads them (and the servers' counters for the measured ratio), gives 2 and 3
+    replicas on other servers (from server 0's copy) and frees room for them; the client's
+    next steps spread those tokens, and every sum stays right."""
     client = client_of(servers, "balanced", monitor.address)
     hot = [2, 3]
     batches = {layer: routed_batch(info, 24, seed=20 + layer, experts=hot if layer == 0 else
@@ -278,14 +280,17 @@ def test_the_balancer_replicates_a_hot_expert(servers, client_of, monitor, info,
            "a load window at the monitor")
     env = {**os.environ, "SGLANG_EAAS_TOKEN": TOKEN}
     run = subprocess.run([sys.executable, "-m", "sglang_eaas.tools.rebalance", "--monitor",
-                          monitor.address, "--slots", "6", "--grace", "0.5"], env=env,
+                          monitor.address, "--slots", "6", "--grace", "0.5", "--load",
+                          "clients", "--state", str(tmp_path / "state.json")], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    found = re.search(r"MoE layer 0: busiest server ([\d.]+)x the mean -> ([\d.]+)x",
-                      run.stdout)
+    assert "entries in the clients' last windows" in run.stdout, run.stdout
+    found = re.search(r"MoE layer 0: busiest server measured ([\d.]+)x the mean, modelled "
+                      r"([\d.]+)x -> plan ([\d.]+)x", run.stdout)
     assert found, run.stdout
-    before, after = map(float, found.groups())
-    assert before == pytest.approx(3.0) and after <= 1.5, run.stdout  # all on 1 of 3 servers
+    measured, before, after = map(float, found.groups())
+    assert measured == before == pytest.approx(3.0), run.stdout  # all on 1 of 3 servers
+    assert after <= 1.5, run.stdout
     holders = {e: monitor.registry.snapshot().holdings().holders(0).get(e, []) for e in hot}
     assert all(len(h) >= 2 for h in holders.values()), holders
     wait_until(lambda: all(e in client.table.holdings[s][0] for e in hot for s in holders[e]),
