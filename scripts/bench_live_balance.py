@@ -1,0 +1,167 @@
+"""Benchmark: live expert load balance before and after one rebalance pass (issue 25), measured
+by the expert servers' own counters, on the trained checkpoint under SGLang ``--eaas``.
+
+For each prompt mix (``bench_lib/live_balance_prompts.py``: held-out stdlib files, and mixes
+outside the training corpus) a fresh tier (``sglang_eaas.deploy.Deployment``): a standalone
+monitor, expert servers holding contiguous experts (0-7, 8-15, ... with 4 servers and 32
+experts) and one SGLang instance (``--eaas --dtype float32 --enable-metrics``) joined through
+the monitor. Then the workload (greedy requests, ``--concurrency`` at a time), ONE pass of
+``python -m sglang_eaas.tools.rebalance``, a wait until SGLang's client uses the new routing
+table, and the same workload again, whose tokens must equal the first run's.
+
+Per MoE layer, the busiest server's entries over the mean per server: over the whole workload
+(the servers' ``expert_load`` counters read before and after it), over ``--poll`` second
+intervals (the counters read meanwhile: the mean over intervals of each interval's ratio) and
+per exchange (SGLang's ``sglang_eaas_exchange_imbalance`` histogram: one micro-batch's rows of
+one MoE layer). Next to the after-placement's measured ratio: the rebalance's plan (its model of
+the new placement on the load it planned on), the load measured after on the new placement split
+evenly over each expert's holders and split as evenly as its holders allow (the least any
+dealing gives over the run), and the bound: the placer's placement made for that load itself
+(same slots), split evenly (``bench_lib/live_balance_run.py``). Report:
+.cache/bench/live-balance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from sglang_eaas import cpu_runtime
+from sglang_eaas.deploy import DeployError, Deployment, parse_config
+from sglang_eaas.model_info import ModelError, MoeModelInfo
+
+from bench_lib.live_balance_prompts import DESCRIBED, MIXES, prompts
+from bench_lib.live_balance_run import run_mix
+from bench_lib.live_balance_report import GOAL, goal, layer_table, setup, summary_table
+from bench_lib.report import Report, default_out, say
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK = {"requests": 16, "max_new_tokens": 24}
+# what a mix's measurement may fail with (a server lost, a request refused, a timeout)
+FAILURES = (RuntimeError, TimeoutError, OSError, ValueError, subprocess.TimeoutExpired)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="The default run takes about 4 minutes per mix on 2 CPU cores (a tier start, "
+        "two workloads, a rebalance); --quick about 2. Mixes: " + "; ".join(
+            f"{name}: {text}" for name, text in DESCRIBED.items()))
+    p.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-moe-stdlib",
+                   help="the checkpoint; default models/tiny-moe-stdlib (the trained one)")
+    p.add_argument("--mixes", default=",".join(MIXES),
+                   help=f"comma-separated prompt mixes of {', '.join(MIXES)}; default all")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per workload; default 32 (16 with --quick)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="requests in flight at once; default 8")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens generated per request (greedy, ignore_eos); default 64 (24 "
+                   "with --quick)")
+    p.add_argument("--servers", type=int, default=4,
+                   help="expert servers, each holding a contiguous share of the experts; "
+                   "default 4")
+    p.add_argument("--poll", type=float, default=2.0,
+                   help="seconds between reads of the servers' counters during a workload "
+                   "(the short-interval ratio); default 2")
+    p.add_argument("--attempts", type=int, default=2,
+                   help="tries per mix: one that fails while measuring (e.g. an expert server "
+                   "the monitor lost on an overloaded machine: requests get HTTP 503) runs "
+                   "again on a fresh tier, and the report says so; default 2")
+    p.add_argument("--quick", action="store_true",
+                   help="a shorter workload (16 requests of 24 tokens) for a first look")
+    p.add_argument("--log-dir", type=Path, default=ROOT / ".cache" / "logs" / "bench-live-balance",
+                   help="deployment and rebalance logs; default .cache/logs/bench-live-balance")
+    p.add_argument("--out", type=Path, default=default_out("live-balance"),
+                   help="markdown report; default %(default)s")
+    args = p.parse_args()
+    for name, value in QUICK.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value if args.quick else {"requests": 32,
+                                                          "max_new_tokens": 64}[name])
+    args.mixes = [m.strip() for m in args.mixes.split(",") if m.strip()]
+    unknown = [m for m in args.mixes if m not in MIXES]
+    if unknown or not args.mixes:
+        p.error(f"--mixes: unknown {', '.join(unknown) or '(none given)'}; known: "
+                f"{', '.join(MIXES)}")
+    if min(args.requests, args.concurrency, args.max_new_tokens, args.attempts) < 1:
+        p.error("--requests, --concurrency, --max-new-tokens and --attempts must be >= 1")
+    if args.servers < 2:
+        p.error(f"--servers must be >= 2 (a balance needs two servers), got {args.servers}")
+    if not 0.2 <= args.poll <= 60:
+        p.error(f"--poll must be 0.2-60 seconds, got {args.poll}")
+    return args
+
+
+def contiguous(num_experts: int, servers: int) -> list[str]:
+    """Expert lists (``"A-B"``) of ``servers`` servers holding contiguous, even shares."""
+    return [f"{int(part[0])}-{int(part[-1])}"
+            for part in np.array_split(np.arange(num_experts), servers)]
+
+
+def config(args: argparse.Namespace, experts: list[str]) -> dict:
+    cpu = ["--device", "cpu"] if cpu_runtime.is_active() else []
+    return {"model": str(args.model), "monitor": "standalone",
+            "expert_servers": {"experts": experts},
+            # no prefix cache: the run after the pass prefills what the run before did
+            "sglang": {"args": [*cpu, "--max-total-tokens", "8192", "--dtype", "float32",
+                                "--enable-metrics", "--disable-radix-cache"], "eaas": True,
+                       "plain": {"count": 1}}}
+
+
+def one_mix(mix: str, args: argparse.Namespace, info: MoeModelInfo, experts: list[str]):
+    """``mix`` on a fresh tier, stopped after."""
+    say(f"{mix}: a fresh tier ({args.servers} expert servers: {', '.join(experts)})")
+    cfg = parse_config(config(args, experts), f"live-balance-{mix}")
+    with Deployment(cfg, args.log_dir / mix, progress=lambda line: say("  " + line)
+                    ) as deployment, tempfile.TemporaryDirectory() as tmp:
+        return run_mix(deployment, mix, prompts(mix, args.requests), args, info,
+                       Path(tmp) / "rebalance-state.json", args.log_dir / mix, say)
+
+
+def main() -> int:
+    args = parse_args()
+    try:
+        info = MoeModelInfo.from_model_path(args.model)
+    except ModelError as exc:
+        print(f"bench_live_balance: error: --model: {exc}", file=sys.stderr)
+        return 2
+    if args.servers > info.num_experts:
+        print(f"bench_live_balance: error: --servers {args.servers} is more than the model's "
+              f"{info.num_experts} experts", file=sys.stderr)
+        return 2
+    experts = contiguous(info.num_experts, args.servers)
+    report = Report(args.out)
+    results, retried = [], []
+    for mix in args.mixes:
+        for attempt in range(1, args.attempts + 1):
+            try:
+                results.append(one_mix(mix, args, info, experts))
+                break
+            except DeployError as exc:
+                print(f"bench_live_balance: error: {mix}: the tier did not deploy: {exc}",
+                      file=sys.stderr)
+                return 1
+            except FAILURES as exc:
+                print(f"bench_live_balance: error while measuring {mix} (try {attempt} of "
+                      f"{args.attempts}): {exc}", file=sys.stderr)
+                if attempt == args.attempts:
+                    return 1
+                retried.append(f"`{mix}` ran again on a fresh tier after: {exc}")
+    report.add(setup(args, info, experts, results))
+    report.add(summary_table(results))
+    report.add(layer_table(results, info.moe_layers))
+    report.add(goal(results, GOAL))
+    if retried:
+        report.add("Retried: " + "; ".join(retried))
+    report.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
