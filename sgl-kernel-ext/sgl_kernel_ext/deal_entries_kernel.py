@@ -22,6 +22,20 @@ import triton.language as tl
 _NEVER = 1 << 62  # a key no holder column has: columns past an expert's replicas
 
 
+# Only core ``tl`` builtins and jit functions of this module: ``tl.sum``, ``tl.argmin`` and
+# friends are jit functions of triton.language, fixed at its import as compiled or interpreted,
+# so under TRITON_INTERPRET=1 set after Triton was first imported (the tests, in a process that
+# imported SGLang) they would refuse to run (as in group_shrink_kernel).
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _least(a, b):
+    return tl.minimum(a, b)
+
+
 @triton.jit
 def deal_kernel(order_ptr, dealing_ptr, first_ptr, replicas_ptr, holders_ptr, holders_s0,
                 holders_s1, load_ptr, offset_ptr, dealt_ptr, rounds_ptr, num_servers,
@@ -41,9 +55,12 @@ def deal_kernel(order_ptr, dealing_ptr, first_ptr, replicas_ptr, holders_ptr, ho
             row = tl.load(holders_ptr + e * holders_s0 + cols * holders_s1, mask=in_row,
                           other=-1)
             position = (cols + r - (offset + e) % r) % r  # place in the tie-break order
-            held = tl.sum(tl.where(row[:, None] == servers[None, :], load[None, :], 0), axis=1)
-            best = tl.argmin(tl.where(in_row, held * BLOCK_W + position, NEVER), axis=0)
-            server = tl.sum(tl.where(cols == best, row, 0), axis=0)
+            held = tl.reduce(tl.where(row[:, None] == servers[None, :], load[None, :], 0), 1,
+                             _add)
+            key = tl.where(in_row, held * BLOCK_W + position, NEVER)  # unique per column
+            best = tl.reduce(tl.where(key == tl.reduce(key, 0, _least), cols, BLOCK_W), 0,
+                             _least)
+            server = tl.reduce(tl.where(cols == best, row, 0), 0, _add)
             tl.store(dealt_ptr + tl.load(first_ptr + e) + q, server)
             load = tl.where(servers == server, load + 1, load)
 
