@@ -2,10 +2,10 @@
 
 Tokens of an expert are split over its holders as ``ExpertRouting`` splits them: evenly over a
 window of many steps, or (``whole_tokens``, one exchange's integer counts) dealt by load exactly
-as the client deals them (``dealing.deal_counts``). ``copies``
-models a server that holds several physical copies of one expert (SGLang's EPLB may put two on
-one GPU): that server gets that many shares of the expert's tokens and streams that many
-weight sets. docs/balancing.md, "Evaluation", gives the time model.
+as the client deals them (``dealing.deal_counts``). ``copies`` models a server that holds
+several physical copies of one expert (SGLang's EPLB may put two on one GPU): that server gets
+that many shares of the expert's tokens and streams that many weight sets. docs/balancing.md,
+"Evaluation", gives the time model.
 """
 
 from __future__ import annotations
