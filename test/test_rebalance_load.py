@@ -246,13 +246,13 @@ def test_a_silent_server_is_said_and_none_answering_is_refused(tier, info, tmp_p
     _serve(client, info, {0: (8, 5, None), 1: (8, 6, None)})
     os.kill(servers[1].process.pid, signal.SIGSTOP)
     try:
-        run = _rebalance(monitor, state, "--slots", "4", "--dry-run")
+        run = _rebalance(monitor, state, "--slots", "4", "--dry-run", "--stats-timeout", "1")
         assert run.returncode == 0, run.stderr
         assert re.search(rf"expert server {servers[1].address} did not answer for its load "
                          r"counters \(.+\); the pass goes on without its load", run.stdout)
         assert "rebalance: 2 expert servers" in run.stdout and len(_layers(run.stdout)) == 2
         os.kill(servers[0].process.pid, signal.SIGSTOP)
-        run = _rebalance(monitor, state, "--slots", "4")
+        run = _rebalance(monitor, state, "--slots", "4", "--stats-timeout", "1")
         assert run.returncode == 1 and not state.exists()
         assert run.stderr.strip().endswith("none of the 2 expert servers answered for their "
                                            "load counters; nothing moved"), run.stderr

@@ -67,6 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "the next pass's 'since the last pass'); default "
                    "$XDG_CACHE_HOME/sglang-eaas/rebalance/<digest of --monitor>.json (else "
                    "~/.cache/...); --dry-run reads it but does not write it")
+    p.add_argument("--stats-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds each expert server has to answer for its load counters (all "
+                   "are asked at once; one that does not answer is left out of the pass); "
+                   "default 5")
     p.add_argument("--slots", type=int, default=None,
                    help="experts of one MoE layer one server may hold (its memory budget); "
                    "default: what the fullest server holds now, plus a quarter of the even "
@@ -107,6 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--windows and --min-tokens must be >= 1, --interval and --wait >= 0")
     if not 0 < args.cv_target < 10:
         p.error(f"--cv-target must be between 0 and 10, got {args.cv_target}")
+    if not 0 < args.stats_timeout <= 600:
+        p.error(f"--stats-timeout must be more than 0 and at most 600 seconds, got "
+                f"{args.stats_timeout}")
     if not 0 <= args.grace <= 600:
         p.error(f"--grace must be 0-600 seconds, got {args.grace}")
     if args.state is not None and args.state.is_dir():
@@ -134,8 +141,8 @@ class Remembered:
     """The servers' counters at this tool's last pass: in the state file, and in memory for
     the passes of one run (a dry run remembers only in memory)."""
 
-    def __init__(self, path: Path, monitor: str, dry_run: bool):
-        self.path, self.monitor, self.dry_run = path, monitor, dry_run
+    def __init__(self, path: Path, monitor: str, dry_run: bool, timeout: float = 5.0):
+        self.path, self.monitor, self.dry_run, self.timeout = path, monitor, dry_run, timeout
         self.counters, warning = read_state(path)
         if warning:
             say(f"rebalance: warning: {warning}")
@@ -143,7 +150,7 @@ class Remembered:
     def measure(self, servers: list[str], token: str) -> tuple[list[Counters], list[Since]]:
         """Each server's counters now and its entries since the last pass; one line per
         server that did not answer, and for those counted from their start."""
-        now, failed = read_counters(servers, token)
+        now, failed = read_counters(servers, token, self.timeout)
         for server, why in failed.items():
             say(f"rebalance: expert server {server} did not answer for its load counters "
                 f"({why}); the pass goes on without its load")
@@ -266,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     token = args.token if args.token is not None else envs.TOKEN.get()
     history = LoadHistory(args.windows)
     remembered = Remembered(args.state or default_state_path(args.monitor_url),
-                            args.monitor_url, args.dry_run)
+                            args.monitor_url, args.dry_run, args.stats_timeout)
     try:
         monitor = connect(args.monitor, token)
         first = True
