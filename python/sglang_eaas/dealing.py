@@ -110,7 +110,7 @@ def deal_entries_numpy(ids: np.ndarray, holders: np.ndarray, replicas: np.ndarra
     first = np.cumsum(counts) - counts  # expert e's dealt entries: dealt[first[e] + q]
     dealt = np.zeros(experts.size, dtype=np.int64)
     for e, columns in deal_counts(counts, holders, replicas, num_servers,
-                                  int(experts.sum())).items():
+                                  exchange_offset(counts)).items():
         dealt[first[e]:first[e] + len(columns)] = holders[e, columns]
     order = np.argsort(experts, kind="stable")  # each entry's rank among its expert's entries
     rank = np.empty_like(experts)
