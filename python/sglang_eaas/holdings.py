@@ -19,6 +19,8 @@ ESFT registrar, placement files, ``status`` and the tools all take these records
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable, Iterator, Mapping
 from operator import index
 from typing import Any, NamedTuple
@@ -271,6 +273,13 @@ class Holdings(Mapping[str, ServerHoldings]):
     def model_experts(self, num_experts: int) -> "Holdings":
         """Without the ESFT adapter experts (the balancer places only the model's)."""
         return Holdings({s: h.model_experts(num_experts) for s, h in self._servers.items()})
+
+    def digest(self) -> str:
+        """A short digest of what every server holds (experts, adapter records and parts),
+        whatever the servers' order: operation records keep it as the tier's end state."""
+        body = json.dumps({s: [h.layers_message(), h.adapters_message(), h.parts_message()]
+                           for s, h in self._servers.items()}, sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     # -- files: string keys --------------------------------------------------------------
     def to_message(self) -> dict[str, Any]:

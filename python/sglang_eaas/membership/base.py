@@ -3,7 +3,8 @@
 A *session* keeps one member registered (register, heartbeat, set_status,
 set_holdings, leave); ``watch``
 long-polls the tier's membership; ``report`` tells the monitor a server timed out, which evicts
-it (it must register again to be used again).
+it (it must register again to be used again); ``acquire`` ... ``operations`` are the tier
+controller's lease and records (``protocol/operations.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from abc import ABC, abstractmethod
 from ibgda import TransportError
 from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.protocol.monitor import Member, MonitorStats, Snapshot
+from sglang_eaas.protocol.operations import Acquired, OperationList, OperationRecord
 
 
 class MemberLost(TransportError):
@@ -60,6 +62,25 @@ class MonitorBackend(ABC):
     @abstractmethod
     def stats(self) -> MonitorStats:
         """The monitor's counters (over etcd: what this reader refused)."""
+
+    # -- the tier controller's lease and records (protocol/operations.py) -----------------
+    @abstractmethod
+    def acquire(self, operation: OperationRecord, ttl: float, reclaim: int = 0) -> Acquired:
+        """Take the tier's operation lease for ``operation`` (see ``Acquire``); a lease is
+        this backend object's: keep it alive with ``renew`` on the same object."""
+
+    @abstractmethod
+    def renew(self, epoch: int) -> None:
+        """Keep the lease of ``epoch`` alive; ``Refused("lease_lost")`` once it is not held."""
+
+    @abstractmethod
+    def record(self, epoch: int, operation: OperationRecord) -> None:
+        """Record ``operation`` under the lease of ``epoch`` (a final state of the lease's own
+        operation gives it back); ``Refused("lease_lost")`` once it is not held."""
+
+    @abstractmethod
+    def operations(self, op_id: str = "", limit: int = 16) -> OperationList:
+        """One operation, or the latest ones, newest first."""
 
     def close(self) -> None:
         pass

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import threading
+import time
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -38,14 +39,21 @@ from ibgda import TransportError
 from sglang_eaas.addresses import parse_address
 from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.membership.base import MemberLost, MemberSession, MonitorBackend
-from sglang_eaas.protocol.lines import ControlError
+from sglang_eaas.protocol.lines import ControlError, Refused
 from sglang_eaas.protocol.monitor import (
-    Departure, Member, MonitorStats, Snapshot, sign, verify,
+    Departure, Member, MonitorStats, Snapshot, sign, sign_json, verify, verify_json,
+)
+from sglang_eaas.protocol.operations import (
+    PENDING, Acquired, OperationList, OperationRecord, newest_first,
 )
 
 logger = logging.getLogger(__name__)
 PREFIX = "/sglang-eaas/"
 MEMBERS, LOADS = PREFIX + "members/", PREFIX + "load/"
+# the tier controller (protocol/operations.py): the lease's key, whose create revision is the
+# lease's epoch, and one key per operation (no etcd lease: they outlive their drivers)
+OPERATION_LEASE, OPERATIONS = PREFIX + "controller/lease", PREFIX + "operations/"
+OPERATIONS_KEPT = 64
 CALL_TIMEOUT = 5.0
 LOAD_EVERY = 10  # heartbeats between load updates
 DEPARTURES_KEPT = 64
@@ -83,6 +91,7 @@ class EtcdMonitor(MonitorBackend):
         self._departures: collections.deque[Departure] = collections.deque(maxlen=DEPARTURES_KEPT)
         self._cancel: Callable[[], None] | None = None
         self._refused: dict[str, str] = {}  # etcd key -> why its record was refused
+        self._held = None  # (etcd Lease, epoch, operation id) of the operation lease held
 
     def _call(self, fn: Callable, *args, **kwargs) -> Any:
         """``fn(...)``; any failure to reach etcd becomes ``TransportError``."""
@@ -173,6 +182,158 @@ class EtcdMonitor(MonitorBackend):
 
     def session(self) -> "EtcdSession":
         return EtcdSession(self)
+
+    # -- the tier controller's lease and records ------------------------------------------
+    # A transaction compares the lease key's create revision: 0 (nobody holds it) to take it,
+    # the holder's epoch to record under it, so a holder whose etcd lease expired can write
+    # nothing more; its operation's key stays, unfinished, for the next holder to recover.
+    def _b64(self, text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    def _txn(self, compare: list, success: list, failure: list = ()) -> dict:
+        return self._call(self.client.transaction, {"compare": compare, "success": success,
+                                                    "failure": list(failure)})
+
+    def _compare_lease(self, epoch: int) -> dict:
+        return {"key": self._b64(OPERATION_LEASE), "result": "EQUAL", "target": "CREATE",
+                "create_revision": epoch}
+
+    def _put(self, key: str, value: bytes, lease: int | None = None) -> dict:
+        put = {"key": self._b64(key), "value": base64.b64encode(value).decode()}
+        if lease is not None:
+            put["lease"] = lease
+        return {"request_put": put}
+
+    def _put_record(self, record: OperationRecord, lease: int | None = None) -> dict:
+        return self._put(OPERATIONS + record.id, sign_json(record.to_message(), self.token),
+                         lease)
+
+    def _records(self, op_id: str = "") -> dict[str, tuple[OperationRecord, int]]:
+        """Operations (by id) with their keys' mod revisions; forged or malformed keys left
+        out (and counted by ``stats``)."""
+        if op_id:
+            rows = self._call(self.client.get, OPERATIONS + op_id, metadata=True)
+        else:
+            rows = self._call(self.client.get_prefix, OPERATIONS)
+        out = {}
+        for value, meta in rows:
+            try:
+                record = OperationRecord.from_message(verify_json(value, self.token))
+            except ControlError as exc:
+                self._refused[meta["key"].decode()] = exc.reason
+                continue
+            out[record.id] = (record, int(meta.get("mod_revision", 0)))
+        return out
+
+    def _lease_holder(self) -> tuple[str, int]:
+        """The id of the operation holding the lease ("" when none) and the lease's epoch."""
+        rows = self._call(self.client.get, OPERATION_LEASE, metadata=True)
+        if not rows:
+            return "", 0
+        value, meta = rows[0]
+        try:
+            held = verify_json(value, self.token)
+        except ControlError:
+            return "", int(meta.get("create_revision", 0))
+        return str(held.get("id", "")), int(meta.get("create_revision", 0))
+
+    def acquire(self, operation: OperationRecord, ttl: float, reclaim: int = 0) -> Acquired:
+        records = self._records()
+        known = records.get(operation.id)
+        if reclaim:
+            return self._reclaim(operation, ttl, reclaim, known)
+        if known is not None:
+            if not known[0].same_request(operation):
+                raise Refused(f"operation id {operation.id} was used for "
+                              f"{known[0].describe()}; pick another id", "operation_id_taken")
+            return Acquired(known=known[0])
+        lease = self._grant(ttl)
+        record = replace(operation, state=PENDING, epoch=0, started_at=time.time())
+        done = self._txn([self._compare_lease(0),
+                          {"key": self._b64(OPERATIONS + operation.id), "result": "EQUAL",
+                           "target": "CREATE", "create_revision": 0}],
+                         [self._put(OPERATION_LEASE, sign_json({"id": operation.id},
+                                                               self.token), lease.id),
+                          self._put_record(record)])
+        if not done.get("succeeded"):
+            self._call(lease.revoke)
+            holder, _ = self._lease_holder()
+            found = self._records(holder).get(holder) if holder else None
+            if found is None:
+                return Acquired(busy="another operation holds the tier's lease")
+            return Acquired(busy=f"another operation holds the tier: {found[0].describe()}",
+                            holder=found[0])
+        epoch = int(done["header"]["revision"])
+        self._held = (lease, epoch, operation.id)
+        self.record(epoch, replace(record, epoch=epoch))
+        unfinished = sorted((r for r, _ in records.values() if not r.final),
+                            key=lambda r: (r.started_at, r.epoch))
+        return Acquired(epoch=epoch, lapsed=unfinished[0] if unfinished else None)
+
+    def _grant(self, ttl: float):
+        from etcd3gw.lease import Lease
+
+        granted = self._call(self.client.post, self.client.get_url("/lease/grant"),
+                             json={"TTL": max(1, math.ceil(ttl)), "ID": 0})
+        return Lease(int(granted["ID"]), self.client)
+
+    def _reclaim(self, operation: OperationRecord, ttl: float, reclaim: int,
+                 known: tuple[OperationRecord, int] | None) -> Acquired:
+        """A holder whose etcd lease expired takes it again, under a new epoch, if nobody
+        took it since and its operation's key is as it left it."""
+        if known is None or known[0].final or known[0].epoch != reclaim:
+            why = (f"operation {operation.id} was ended meanwhile: {known[0].result}"
+                   if known is not None and known[0].final else "another lease was granted since")
+            return Acquired(busy=f"lease of epoch {reclaim} cannot be reclaimed: {why}")
+        lease = self._grant(ttl)
+        done = self._txn([self._compare_lease(0),
+                          {"key": self._b64(OPERATIONS + operation.id), "result": "EQUAL",
+                           "target": "MOD", "mod_revision": known[1]}],
+                         [self._put(OPERATION_LEASE, sign_json({"id": operation.id},
+                                                               self.token), lease.id)])
+        if not done.get("succeeded"):
+            self._call(lease.revoke)
+            return Acquired(busy=f"lease of epoch {reclaim} cannot be reclaimed: another "
+                            "operation took the tier's lease")
+        epoch = int(done["header"]["revision"])
+        self._held = (lease, epoch, operation.id)
+        self.record(epoch, replace(known[0], epoch=epoch))
+        return Acquired(epoch=epoch)
+
+    def _lost(self, epoch: int) -> Refused:
+        return Refused(f"etcd {self.address}: the operation lease of epoch {epoch} is not held "
+                       "(it lapsed, or another operation holds the tier)", "lease_lost")
+
+    def renew(self, epoch: int) -> None:
+        held = self._held
+        if held is None or held[1] != epoch or self._call(held[0].refresh) <= 0:
+            raise self._lost(epoch)
+
+    def record(self, epoch: int, operation: OperationRecord) -> None:
+        held = self._held
+        release = (held is not None and held[1] == epoch and operation.id == held[2]
+                   and operation.final)
+        success = [self._put_record(operation)]
+        if release:
+            success.append({"request_delete_range": {"key": self._b64(OPERATION_LEASE)}})
+        if not self._txn([self._compare_lease(epoch)], success).get("succeeded"):
+            raise self._lost(epoch)
+        if release:
+            self._held = None
+            self._call(held[0].revoke)
+            self._prune()
+
+    def _prune(self) -> None:
+        """Forget the oldest ended operations past ``OPERATIONS_KEPT``."""
+        ended = sorted((r for r, _ in self._records().values() if r.final),
+                       key=lambda r: (r.started_at, r.epoch))
+        for record in ended[:max(0, len(ended) - OPERATIONS_KEPT)]:
+            self._call(self.client.delete, OPERATIONS + record.id)
+
+    def operations(self, op_id: str = "", limit: int = 16) -> OperationList:
+        holder, epoch = self._lease_holder()
+        records = [r for r, _ in self._records(op_id).values()]
+        return OperationList(newest_first(records, limit), holder, epoch)
 
     def close(self) -> None:
         cancel, self._cancel = self._cancel, None

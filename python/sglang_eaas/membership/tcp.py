@@ -14,9 +14,13 @@ from sglang_eaas.protocol.monitor import (
     Heartbeat, Leave, Member, MonitorStats, Register, Report, SetHoldings, SetStatus, Snapshot,
     TierStats, Watch,
 )
+from sglang_eaas.protocol.operations import (
+    Acquire, Acquired, ListOperations, OperationList, OperationRecord, RecordOperation, Renew,
+)
 
 PEER = "monitor"
 CALL_TIMEOUT = 10.0  # seconds for a reply that does not wait on purpose
+FIRST_CONTACT = 5.0  # seconds the first call waits for the monitor's first reply
 
 
 class TcpMonitor(MonitorBackend):
@@ -24,22 +28,37 @@ class TcpMonitor(MonitorBackend):
         self.address, self.token = address, token
         self._lock = threading.Lock()  # one caller at a time on the shared channel
         self._channel: Channel | None = None
+        self._answered = False  # the monitor has answered this object once
 
-    def _call(self, request: Request, patience: float = CALL_TIMEOUT):
-        """One call on the shared channel, reconnecting once if the connection broke."""
+    def _call(self, request: Request, patience: float = CALL_TIMEOUT, retry: bool = True):
+        """One call on the shared channel, reconnecting once if a connection that worked
+        broke (unless not to ``retry``). Until the monitor first answered, the call waits
+        ``FIRST_CONTACT`` seconds (past the wait it asks for) and is not repeated: a port that
+        is not a monitor's (an HTTP server, say) reads the authentication line and never
+        answers."""
         with self._lock:
             for attempt in range(2):
                 if self._channel is None:
                     self._channel = Channel(self.address, self.token, CALL_TIMEOUT, PEER)
-                self._channel.settimeout(patience)
+                first = not self._answered
+                self._channel.settimeout(patience - CALL_TIMEOUT + FIRST_CONTACT if first
+                                         else patience)
                 try:
-                    return self._channel.call(request)
+                    reply = self._channel.call(request)
+                    self._answered = True
+                    return reply
                 except Refused:
                     raise
-                except TransportError:
+                except TransportError as exc:
                     self._channel.close()
                     self._channel = None
-                    if attempt:
+                    if first and isinstance(exc.__cause__, TimeoutError):
+                        raise TransportError(
+                            f"{PEER} {self.address} did not answer within {FIRST_CONTACT:.0f}s: "
+                            "is it the tier's monitor (--eaas-monitor embedded:HOST:PORT or "
+                            "python -m sglang_eaas.monitor), not another port such as "
+                            "SGLang's HTTP one?") from None
+                    if attempt or first or not retry:
                         raise
         raise AssertionError("unreachable")
 
@@ -54,6 +73,20 @@ class TcpMonitor(MonitorBackend):
 
     def stats(self) -> MonitorStats:
         return self._call(TierStats())
+
+    # A lease is bound to the connection that took it (the monitor lets it lapse when that
+    # connection closes): these calls never reconnect, a broken line is the lease's loss.
+    def acquire(self, operation: OperationRecord, ttl: float, reclaim: int = 0) -> Acquired:
+        return self._call(Acquire(operation, ttl, reclaim), retry=False)
+
+    def renew(self, epoch: int) -> None:
+        self._call(Renew(epoch), retry=False)
+
+    def record(self, epoch: int, operation: OperationRecord) -> None:
+        self._call(RecordOperation(epoch, operation), retry=False)
+
+    def operations(self, op_id: str = "", limit: int = 16) -> OperationList:
+        return self._call(ListOperations(op_id, limit))
 
     def close(self) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ import threading
 from sglang_eaas import envs
 from sglang_eaas.addresses import AddressError, parse_address
 from sglang_eaas.membership import LOSS_TIMEOUT
+from sglang_eaas.protocol.operations import LEASE_TTL
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-verify-servers", action="store_true",
                    help="accept a server's registration without asking the server at its "
                    "address whether it holds what it registers (not recommended)")
+    p.add_argument("--operation-grace", type=float, default=LEASE_TTL, metavar="SECONDS",
+                   help="after a restart, while the expert servers say an operation lease was "
+                   "granted before it started, new operation leases are refused this long so "
+                   "that the lease's holder can reclaim it (the tier controller, docs/elastic."
+                   "md); default %(default)s")
     p.add_argument("--log-level", default="info", help="logging level; default %(default)s")
     args = p.parse_args(argv)
     try:
@@ -45,11 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"the monitor needs a shared token: pass --token or set {envs.TOKEN.name}")
     if not args.loss_timeout > 0:
         p.error("--loss-timeout must be > 0")
+    if not 0 <= args.operation_grace <= 600:
+        p.error(f"--operation-grace must be 0-600 seconds, got {args.operation_grace}")
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s monitor] %(message)s")
     from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 
     monitor = MonitorServer(MonitorConfig(host, port, token, args.loss_timeout,
-                                          not args.no_verify_servers)).start()
+                                          not args.no_verify_servers,
+                                          args.operation_grace)).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -19,6 +19,7 @@ from typing import Any
 
 from ibgda import TransportError
 from sglang_eaas.endpoint import LineEndpoint
+from sglang_eaas.monitor.operations import OperationLog
 from sglang_eaas.monitor.registry import Registry
 from sglang_eaas.protocol import control
 from sglang_eaas.protocol.lines import MAX_LINE, ControlError
@@ -26,6 +27,9 @@ from sglang_eaas.protocol.lines import Done, Message
 from sglang_eaas.protocol.monitor import (
     CLIENT, OPS, SERVER, Evicted, Heartbeat, Leave, Member, MonitorStats, Register, Registered,
     Report, Revision, SetHoldings, SetStatus, Snapshot, Watch, Watched,
+)
+from sglang_eaas.protocol.operations import (
+    LEASE_TTL, Acquire, ListOperations, OperationList, RecordOperation, Renew,
 )
 
 logger = logging.getLogger(__name__)
@@ -39,12 +43,16 @@ class MonitorConfig:
     token: str = ""
     loss_timeout: float = 0.6  # seconds without a heartbeat before a member is lost
     verify_servers: bool = True  # check a server's registration against the server
+    # seconds a restarted monitor refuses new operation leases while the servers say one was
+    # granted before it started (its holder reclaims it meanwhile: monitor/operations.py)
+    operation_grace: float = LEASE_TTL
 
 
 class MonitorServer:
     def __init__(self, config: MonitorConfig):
         self.config = config
         self.registry = Registry(config.loss_timeout)
+        self.operations = OperationLog(config.operation_grace)
         self.endpoint = LineEndpoint((config.host, config.port), config.token,
                                      lambda conn: _Session(self, conn), "eaas-monitor")
         self._stop = threading.Event()
@@ -64,6 +72,7 @@ class MonitorServer:
         period = self.config.loss_timeout / 12
         while not self._stop.wait(period):
             self.registry.expire()
+            self.operations.expire()
 
     def verify(self, member: Member) -> None:
         """``ControlError("forged_registration")`` unless the server at ``member.id`` is the
@@ -116,6 +125,7 @@ class _Session:
             if member.kind == SERVER and self.monitor.config.verify_servers:
                 self.monitor.verify(member)
             member = registry.register(member, self)
+            self.monitor.operations.learn_epoch(member.epoch)
             return Registered(member.incarnation, registry.revision, loss)
         if op == "heartbeat":
             beat = Heartbeat.from_message(message)
@@ -139,7 +149,24 @@ class _Session:
         if op == "report":
             report = Report.from_message(message)
             return Evicted(registry.report(report.server, report.incarnation, report.why))
+        if op in ("acquire", "renew", "record_operation", "operations"):
+            return self._operations(op, message)
         return self.monitor.stats()
+
+    def _operations(self, op: str, message: dict[str, Any]) -> Message:
+        log = self.monitor.operations
+        if op == "acquire":
+            request = Acquire.from_message(message)
+            return log.acquire(request.operation, request.ttl, request.reclaim, self)
+        if op == "renew":
+            log.renew(Renew.from_message(message).epoch, self)
+            return Done()
+        if op == "record_operation":
+            request = RecordOperation.from_message(message)
+            log.record(request.epoch, request.operation, self)
+            return Done()
+        request = ListOperations.from_message(message)
+        return _fitting(log.list(request.id, request.limit))
 
     def _within_line(self, snapshot: Snapshot) -> Snapshot:
         """``snapshot``, without the clients' loads (their load windows: tens of KB each for
@@ -157,3 +184,18 @@ class _Session:
 
     def close(self) -> None:
         self.registry.session_closed(self)
+        self.monitor.operations.session_closed(self)
+
+
+def _fitting(listed: OperationList) -> OperationList:
+    """``listed``, with the latest operations' targets left out (``{}``) where all of it would
+    not fit in one reply line (a rebalance's target names every server's experts)."""
+    records = list(listed.operations)
+    while len(json.dumps(replace(listed, operations=tuple(records)).to_message())) \
+            > MAX_LINE - 1024:
+        big = max(range(len(records)), key=lambda i: len(json.dumps(records[i].target)))
+        if not records[big].target:
+            records.pop()
+            continue
+        records[big] = replace(records[big], target={})
+    return replace(listed, operations=tuple(records))

@@ -221,7 +221,9 @@ _WHAT = {"join": "to join", "ready": "the slot confirmation", "stats": "a stats 
          "set_holdings": "a holdings change", "watch": "a watch",
          "report": "a report", "add_experts": "to add experts",
          "drop_experts": "to drop experts", "expert_weights": "an expert's weights",
-         "export_weights": "to lend experts' weights", "release_weights": "a weights lease's end"}
+         "export_weights": "to lend experts' weights", "release_weights": "a weights lease's end",
+         "acquire": "the operation lease", "renew": "the operation lease's renewal",
+         "record_operation": "an operation's record", "operations": "the operations"}
 
 
 
@@ -266,6 +268,9 @@ class Channel:
             raise TransportError(f"{self.peer} {self.address}: {exc}") from exc
         if not line:
             raise TransportError(f"{self.peer} {self.address} closed the connection")
+        if line.startswith(b"HTTP/"):
+            raise TransportError(f"{self.address} answered in HTTP ({shown(line.strip()[:40])}"
+                                 f"): it is a web server, not an sglang-eaas {self.peer}")
         try:
             reply = json.loads(line)
         except ValueError:

@@ -17,6 +17,8 @@ and on any connection:
     Report ("report")             -> Evicted: a client saw a server time out; the monitor
                                      evicts it
     TierStats ("stats")           -> MonitorStats
+and the tier controller's operation lease and records (``protocol/operations.py``):
+    Acquire, Renew, RecordOperation, ListOperations
 
 Members are named by a stable ``id`` (a server: its control address; a client: its client id)
 and an ``incarnation`` the monitor gives each registration, so a server that comes back (after a
@@ -33,6 +35,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from sglang_eaas.holdings import Holdings, ServerHoldings
+from sglang_eaas.protocol import operations
 from sglang_eaas.protocol.lines import (
     ControlError, Message, Request, check_fields, holdings_fields, read_holdings, shown,
 )
@@ -64,6 +67,9 @@ class Member(Message):
     holdings: ServerHoldings = field(default_factory=ServerHoldings)
     load: dict = field(default_factory=dict)  # counters from the last heartbeat
     beat_age: float = 0.0  # seconds since the last heartbeat, when a snapshot was taken
+    # servers: the newest operation epoch they obeyed (protocol/operations.py), so a monitor
+    # that restarted never grants a lease older than what the servers have seen
+    epoch: int = 0
 
     @classmethod
     def from_message(cls, message: Any) -> "Member":
@@ -300,29 +306,45 @@ class TierStats(Request):
     reply = MonitorStats
 
 
-REQUESTS = (Register, Heartbeat, SetStatus, SetHoldings, Leave, Watch, Report, TierStats)
+REQUESTS = (Register, Heartbeat, SetStatus, SetHoldings, Leave, Watch, Report, TierStats,
+            *operations.REQUESTS)
 OPS = tuple(r.op for r in REQUESTS)
 
 
 # -- signed records (the etcd backend, where no monitor checks who writes) --------------------
-def sign(member: Member, token: str) -> bytes:
-    """``member`` as stored in etcd: its JSON and an HMAC-SHA256 of it under the shared token."""
-    body = json.dumps(member.to_message(), sort_keys=True)
-    mac = hmac.new(token.encode(), body.encode(), hashlib.sha256).hexdigest()
-    return json.dumps({"member": body, "hmac": mac}).encode()
+def sign_json(body: Any, token: str) -> bytes:
+    """``body`` (JSON) as stored in etcd: its JSON and an HMAC-SHA256 of it under the shared
+    token."""
+    text = json.dumps(body, sort_keys=True)
+    mac = hmac.new(token.encode(), text.encode(), hashlib.sha256).hexdigest()
+    return json.dumps({"member": text, "hmac": mac}).encode()
 
 
-def verify(value: bytes, token: str) -> Member:
-    """The member of a stored record; ``ControlError("forged_registration")`` unless its HMAC
-    is the shared token's, ``ControlError("bad_field")`` for a malformed one."""
+def verify_json(value: bytes, token: str) -> Any:
+    """The JSON body of a stored record; ``ControlError("forged_registration")`` unless its HMAC
+    is the shared token's, ``ControlError("malformed")`` for a malformed one."""
     try:
         record = json.loads(value)
         body, mac = record["member"], record["hmac"]
         assert isinstance(body, str) and isinstance(mac, str)
     except (ValueError, KeyError, TypeError, AssertionError):
-        raise ControlError("malformed", "a stored member record is not {member, hmac}") from None
+        raise ControlError("malformed", "a stored record is not {member, hmac}") from None
     expected = hmac.new(token.encode(), body.encode(), hashlib.sha256).hexdigest()
     if not hmac.compare_digest(mac, expected):
-        raise ControlError("forged_registration", "a stored member record is not signed with "
-                           "the shared token")
-    return Member.from_message(json.loads(body))
+        raise ControlError("forged_registration", "a stored record is not signed with the "
+                           "shared token")
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise ControlError("malformed", "a stored record's body is not JSON") from None
+
+
+def sign(member: Member, token: str) -> bytes:
+    """``member`` as stored in etcd (``sign_json``)."""
+    return sign_json(member.to_message(), token)
+
+
+def verify(value: bytes, token: str) -> Member:
+    """The member of a stored record (``verify_json``); ``ControlError("bad_field")`` for a
+    record that is not a member."""
+    return Member.from_message(verify_json(value, token))
