@@ -40,4 +40,12 @@ KERNEL_CACHE = EnvVar(
     "~/.cache/sglang-eaas/torch_extensions.",
 )
 
-ALL = (CPU_RUNTIME, TOKEN, KERNEL_CACHE)
+OPERATION_LEASE = EnvVar(
+    "SGLANG_EAAS_OPERATION_LEASE",
+    "",
+    "Seconds the tier controller's operation lease lasts without a renewal (1-600; default 10): "
+    "how long a driver that died holding it keeps other operations of the tier waiting "
+    "(docs/elastic.md, 'The tier controller').",
+)
+
+ALL = (CPU_RUNTIME, TOKEN, KERNEL_CACHE, OPERATION_LEASE)
