@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from sglang_eaas.balance.placer import Move, moves
+from sglang_eaas.controller.lease import NO_FENCE, Fence
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.protocol.control import AddExperts, DropExperts, call
 
@@ -31,11 +32,13 @@ class Applied:
 
 def apply_placement(current: Holdings, target: Holdings, token: str, grace: float = 2.0,
                     say: Callable[[str], None] = lambda line: None,
-                    timeout: float = 120.0, done: Applied | None = None) -> Applied:
-    """Make the live tier hold ``target``: every add (from a current holder), then every drop.
-    Raises what a server refuses with (``Refused``: e.g. a drop of a last holder) or a lost
-    server's ``TransportError``, after the changes before it were made (counted in ``done``,
-    where given, as they are made)."""
+                    timeout: float = 120.0, done: Applied | None = None,
+                    fence: Fence = NO_FENCE) -> Applied:
+    """Make the live tier hold ``target``: every add (from a current holder), then every drop,
+    each under the operation lease's ``fence`` (checked before each). Raises what a server
+    refuses with (``Refused``: e.g. a drop of a last holder) or a lost server's
+    ``TransportError``, after the changes before it were made (counted in ``done``, where
+    given, as they are made)."""
     began = time.monotonic()
     # servers in only one of them are not placement (joining and leaving are the tier's)
     both = set(current) & set(target)
@@ -52,16 +55,18 @@ def apply_placement(current: Holdings, target: Holdings, token: str, grace: floa
             source = min(sources, key=lambda s: (len(by_source.get(s, ())), s), default="")
             by_source[source].append(e)
         for source, experts in by_source.items():
-            added = call(change.server, AddExperts(change.layer, experts, source), token,
-                         timeout)
+            fence.check()
+            added = call(change.server, AddExperts(change.layer, experts, source,
+                                                   epoch=fence.epoch), token, timeout)
             done.from_peer += len(added.from_peer)
             done.from_disk += len(added.from_disk)
             say(f"{change.server}: MoE layer {change.layer} +{experts} (from "
                 f"{source or 'disk'})")
     for change in done.changes:
         if change.drops:
-            call(change.server, DropExperts(change.layer, list(change.drops), grace=grace),
-                 token, timeout)
+            fence.check()
+            call(change.server, DropExperts(change.layer, list(change.drops), grace=grace,
+                                            epoch=fence.epoch), token, timeout)
             say(f"{change.server}: MoE layer {change.layer} -{list(change.drops)}")
     done.seconds = time.monotonic() - began
     return done

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ibgda import TransportError
+from sglang_eaas.controller.lease import NO_FENCE, Fence
 from sglang_eaas.slices import Part
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.membership import current_snapshot
@@ -88,12 +89,13 @@ class Switcher:
                  grace: float = SWITCH_GRACE, say: Callable[[str], None] = lambda line: None):
         self.monitor, self.token, self.info, self.grace, self.say = monitor, token, info, grace, say
         self._lost: set[str] = set()  # servers a call could not reach: left out from then on
+        self.fence: Fence = NO_FENCE  # the operation lease of the switch running
 
     def holdings(self) -> Holdings:
         return current_snapshot(self.monitor, self.token).holdings(self.info.fingerprint())
 
     def switch(self, layers: list[int], to: str, group: list[str] | None = None,
-               parts: int | None = None) -> list[LayerSwitch]:
+               parts: int | None = None, fence: Fence = NO_FENCE) -> list[LayerSwitch]:
         """Switch ``layers`` to ``to`` (``ep`` or ``tp``) one after the other, over ``group``
         (default: every serving server). TP: ``parts`` parts per expert (default: one per
         server of the group), server ``i`` of the group holding part ``i % parts`` (a group of
@@ -104,33 +106,17 @@ class Switcher:
         A server of the group lost mid-switch (a call fails to reach it) is left out from then
         on: the layer completes with the survivors where they still hold every part (or take
         the lost server's experts), else it is rolled back to its old layout and
-        ``SwitchError`` says so (the layers before it keep the new one)."""
-        self._lost = set()
-        if to not in LAYOUTS:
-            raise SwitchError(f"a layer switches to one of {LAYOUTS}, not {to!r}")
-        unknown = sorted(set(layers) - set(self.info.moe_layers))
-        if unknown:
-            raise SwitchError(f"layers {unknown} are not MoE layers of the model (those are "
-                              f"{list(self.info.moe_layers)})")
-        holdings = self.holdings()
-        servers = list(group or holdings.servers)
-        missing = [s for s in servers if s not in holdings]
-        if missing:
-            raise SwitchError(f"servers {missing} are not serving in the tier")
-        if len(set(servers)) != len(servers):
-            raise SwitchError(f"the group {servers} names a server twice")
-        parts = parts or len(servers)
-        if to == TP:
-            if not 2 <= parts <= len(servers):
-                raise SwitchError(f"TP cuts each expert into 2 to {len(servers)} parts (one "
-                                  f"server at least per part), not {parts}")
-            try:
-                Part(0, parts).check(self.info.moe_intermediate_size)
-            except ValueError as exc:
-                raise SwitchError(f"the experts cannot be cut into {parts} parts: "
-                                  f"{exc}") from None
+        ``SwitchError`` says so (the layers before it keep the new one).
+
+        Every change carries ``fence``'s epoch (the operation lease it runs under). A layer
+        already in the layout asked for keeps it, with what a switch cut short left of the
+        other layout dropped. The end is read back from the monitor: ``SwitchError`` unless
+        every layer asked for is in that layout."""
+        self._lost, self.fence = set(), fence
+        servers, parts = self.check(layers, to, group, parts)
         done = []
         for layer in layers:
+            self.fence.check()
             holdings = self.holdings()
             for s in servers:
                 if s not in holdings and s not in self._lost:  # the monitor lost it
@@ -140,6 +126,7 @@ class Switcher:
             servers = [s for s in servers if s not in self._lost]
             current = layouts(holdings, self.info)[layer]
             if (to == EP and current == 1) or (to == TP and current == parts):
+                self._tidy(layer, to, holdings)
                 continue
             began, self._phases, self._mark = time.perf_counter(), {}, time.perf_counter()
             added = (self._to_tp(layer, servers, parts, holdings) if to == TP
@@ -149,7 +136,78 @@ class Switcher:
             self.say(f"MoE layer {layer}: {to.upper()} in {record.seconds:.2f}s "
                      f"(added {added})")
             done.append(record)
+        self._check_reached(layers, to, parts)
         return done
+
+    def check(self, layers: list[int], to: str, group: list[str] | None = None,
+              parts: int | None = None) -> tuple[list[str], int | None]:
+        """``SwitchError`` (one sentence) unless the switch can be made on the tier as it is:
+        a model some server serves, MoE layers of it, a group of distinct serving servers, and
+        for TP parts the group can hold and the experts can be cut into. The group and parts
+        it would use."""
+        if to not in LAYOUTS:
+            raise SwitchError(f"a layer switches to one of {LAYOUTS}, not {to!r}")
+        unknown = sorted(set(layers) - set(self.info.moe_layers))
+        if unknown:
+            raise SwitchError(f"layers {unknown} are not MoE layers of the model (those are "
+                              f"{list(self.info.moe_layers)})")
+        holdings = self.holdings()
+        if not holdings:
+            raise SwitchError(f"no expert server of the tier serves this model "
+                              f"({self.info.model_type}, {self.info.num_experts} experts, "
+                              f"fingerprint {self.info.fingerprint()}): is --model-path the "
+                              "checkpoint the tier serves?")
+        servers = list(group or holdings.servers)
+        missing = [s for s in servers if s not in holdings]
+        if missing:
+            raise SwitchError(f"servers {missing} are not serving in the tier")
+        if len(set(servers)) != len(servers):
+            raise SwitchError(f"the group {servers} names a server twice")
+        parts = parts or (len(servers) if to == TP else None)
+        if to == TP:
+            if not 2 <= parts <= len(servers):
+                raise SwitchError(f"TP cuts each expert into 2 to {len(servers)} parts (one "
+                                  f"server at least per part), not {parts}")
+            try:
+                Part(0, parts).check(self.info.moe_intermediate_size)
+            except ValueError as exc:
+                raise SwitchError(f"the experts cannot be cut into {parts} parts: "
+                                  f"{exc}") from None
+        return servers, parts
+
+    def _tidy(self, layer: int, to: str, holdings: Holdings) -> None:
+        """A layer already in layout ``to``: what a switch cut short left of the other layout
+        (whole experts beside a TP layer's parts, parts beside an EP layer's experts) is
+        dropped."""
+        num_experts = self.info.num_experts
+        if to == TP:
+            left = {s: [e for e in held.get(layer, ()) if e < num_experts]
+                    for s, held in holdings.items()}
+            left = {s: ids for s, ids in left.items() if ids}
+            self._each(list(left), lambda s: DropExperts(layer, left[s], grace=self.grace,
+                                                         epoch=self.fence.epoch))
+        else:
+            left = [s for s, held in holdings.items() if layer in held.parts]
+            self._each(left, lambda s: DropParts(layer, grace=self.grace,
+                                                 epoch=self.fence.epoch))
+        if left:
+            self.say(f"MoE layer {layer}: {to.upper()} already; dropped what an earlier switch "
+                     f"left of the other layout on {len(left)} servers")
+
+    def _check_reached(self, layers: list[int], to: str, parts: int | None) -> None:
+        """``SwitchError`` unless the monitor shows every layer of ``layers`` in ``to``."""
+        deadline = time.monotonic() + SHOWN_TIMEOUT
+        while True:
+            now = layouts(self.holdings(), self.info)
+            want = 1 if to == EP else parts
+            wrong = [layer for layer in layers if now[layer] != want]
+            if not wrong:
+                return
+            if time.monotonic() > deadline:
+                layout = "EP" if to == EP else f"TP over {parts} parts"
+                raise SwitchError(f"MoE layers {wrong} are not {layout} after the switch "
+                                  f"(parts per layer now: {now})")
+            time.sleep(0.05)
 
     def _to_tp(self, layer: int, servers: list[str], parts: int, holdings: Holdings
                ) -> dict[str, int]:
@@ -161,16 +219,19 @@ class Switcher:
                               f"experts there ({adapters}), which are routed whole only")
         cut_otherwise = [s for s in servers if layer in holdings[s].parts
                          and holdings[s].parts[layer].parts != parts]
-        self._each(cut_otherwise, lambda s: DropParts(layer, force=True, grace=0.0))
+        self._each(cut_otherwise, lambda s: DropParts(layer, force=True, grace=0.0,
+                                                      epoch=self.fence.epoch))
         whole = holdings.layer(layer)
         part_of = {s: i % parts for i, s in enumerate(servers)}
         adds = {s: AddParts(layer, parts, [e * parts + part_of[s] for e in range(num_experts)],
-                            {h: list(ids) for h, ids in whole.items() if ids and h != s})
+                            {h: list(ids) for h, ids in whole.items() if ids and h != s},
+                            epoch=self.fence.epoch)
                 for s in servers}
         changes = self._each(servers, adds.get)
         live = [s for s in servers if s not in self._lost]
         if {part_of[s] for s in live} != set(range(parts)):
-            self._each(live, lambda s: DropParts(layer, force=True, grace=0.0))  # roll back
+            self._each(live, lambda s: DropParts(layer, force=True, grace=0.0,  # roll back
+                                                 epoch=self.fence.epoch))
             raise SwitchError(f"MoE layer {layer} stays EP: servers {sorted(self._lost)} were "
                               f"lost while it switched, and no server left holds parts "
                               f"{sorted(set(range(parts)) - {part_of[s] for s in live})}")
@@ -181,7 +242,8 @@ class Switcher:
             for s in live), f"MoE layer {layer}'s parts")
         self._phase("shown")
         holders = [s for s, ids in whole.items() if ids and s not in self._lost]
-        self._each(holders, lambda s: DropExperts(layer, list(whole[s]), grace=self.grace))
+        self._each(holders, lambda s: DropExperts(layer, list(whole[s]), grace=self.grace,
+                                                  epoch=self.fence.epoch))
         self._phase("drop")
         self._wait_freed(layer, [s for s in holders if s not in self._lost])
         self._phase("freed")
@@ -218,7 +280,7 @@ class Switcher:
         self._phase("shown")
         holders = [s for s, held in holdings.items() if layer in held.parts
                    and s not in self._lost]
-        self._each(holders, lambda s: DropParts(layer, grace=self.grace))
+        self._each(holders, lambda s: DropParts(layer, grace=self.grace, epoch=self.fence.epoch))
         self._phase("drop")
         self._wait_freed(layer, [s for s in holders if s not in self._lost])
         self._phase("freed")
@@ -231,8 +293,9 @@ class Switcher:
         -> routed part ids) holds, over the weight fabric."""
         def add(s: str, ids: list[int]) -> AddExperts:
             sources = {h: i for h, i in cut.items() if h != s and h not in self._lost}
-            return (AddExperts(layer, ids, parts=parts, part_sources=sources) if sources
-                    else AddExperts(layer, ids))
+            return (AddExperts(layer, ids, parts=parts, part_sources=sources,
+                               epoch=self.fence.epoch) if sources
+                    else AddExperts(layer, ids, epoch=self.fence.epoch))
 
         adds = {s: add(s, [e for e in ids if e not in have.get(s, ())])
                 for s, ids in target.items()}
@@ -247,6 +310,7 @@ class Switcher:
         """``request_of(server)`` sent to each server at once (None: nothing for it); the
         replies of those that answered. A server that cannot be reached is lost (``_lost``)
         and left out; one that refuses raises ``SwitchError`` naming it."""
+        self.fence.check()
         calls = {s: r for s in servers if s not in self._lost
                  and (r := request_of(s)) is not None}
         with ThreadPoolExecutor(max(1, len(calls))) as pool:

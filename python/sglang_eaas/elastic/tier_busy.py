@@ -16,7 +16,7 @@ from typing import Callable
 
 from ibgda import TransportError
 from sglang_eaas.elastic.autoscaler import TierBusy
-from sglang_eaas.elastic.resize import active_and_standby
+from sglang_eaas.controller.end_state import active_and_standby
 from sglang_eaas.protocol.monitor import Snapshot
 
 logger = logging.getLogger(__name__)

@@ -19,6 +19,12 @@ pause (up to ``PLACE_ATTEMPTS`` times); an adapter already published keeps its i
 
 Unloading drops the experts this registrar placed (``drop_experts`` with ``force``: they are
 their adapter's only copies by design; the servers free them after a grace period).
+
+With a tier controller (a monitor: every SGLang with ``--eaas``), a placement and an unload
+are each an operation (``adapter-load``, ``adapter-unload``): they wait up to ``timeout`` for
+another operation holding the tier, look again for the adapter once they hold it (another
+instance may have placed it meanwhile), record the placement they plan before they make it
+(so a successor can roll back one cut short), and carry the lease's epoch.
 """
 
 from __future__ import annotations
@@ -30,14 +36,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ibgda import TransportError
+from sglang_eaas.controller.lease import NO_FENCE, Fence
 from sglang_eaas.esft.adapter import AdapterError, EsftAdapter
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.protocol.control import AddExperts, DropExperts, call
 from sglang_eaas.protocol.lines import ControlError, Refused
+from sglang_eaas.protocol.operations import ADAPTER_LOAD, ADAPTER_UNLOAD, DONE, tier_message
 from sglang_eaas.routing_table import RoutingTable
 
 if TYPE_CHECKING:
     from sglang_eaas.client.client import EaasClient
+    from sglang_eaas.controller.controller import Held, TierController
 
 logger = logging.getLogger(__name__)
 POLL = 0.05  # seconds between looks at the routing table while waiting for it
@@ -64,10 +73,29 @@ class Registered:
 class Registrar:
     def __init__(self, client: "EaasClient", token: str, slots: int, replicas: int = 1,
                  timeout: float = 60.0, orchestrate: bool = True,
-                 say: Callable[[str], None] = logger.info):
+                 say: Callable[[str], None] = logger.info,
+                 controller: "TierController | None" = None):
         self.client, self.token, self.slots, self.replicas = client, token, slots, replicas
         self.timeout, self.orchestrate, self.say = timeout, orchestrate, say
+        self.controller = controller
         self.info = client.info
+
+    def _operation(self, kind: str, target: dict, body: Callable[[Fence, "Held | None"], str]
+                   ) -> None:
+        """``body`` as an operation of the tier controller (without one: as it is); its
+        failure as ``AdapterError``."""
+        if self.controller is None:
+            body(NO_FENCE, None)
+            return
+        from sglang_eaas.controller.controller import Busy, Ended
+
+        try:
+            record = self.controller.run(kind, target, lambda held: Ended(
+                body(held.fence, held)), wait=self.timeout)
+        except (Busy, TransportError) as exc:
+            raise AdapterError(f"ESFT adapter {target['adapter']}: {exc}") from None
+        if record.state != DONE:
+            raise AdapterError(record.result)
 
     # -- load -------------------------------------------------------------------------------
     def register(self, name: str, adapter: EsftAdapter) -> Registered:
@@ -82,35 +110,56 @@ class Registrar:
         if not self.orchestrate:
             return Registered(name, adapter, self._wait_found(name, digests))
         started = time.monotonic()
-        for attempt in range(1, PLACE_ATTEMPTS + 1):
-            try:
-                registered = self._place(name, adapter, digests)
-                break
-            except _Collision as exc:
-                if attempt == PLACE_ATTEMPTS:
-                    raise AdapterError(f"ESFT adapter {name} could not be placed on the expert "
-                                       f"servers: {exc}, {attempt} times") from None
-                self.say(f"sglang-eaas: ESFT adapter {name}: {exc}; placing it again under "
-                         "other ids")
-                time.sleep(random.uniform(*RETRY_PAUSE) * attempt)
-        self.say(f"sglang-eaas: ESFT adapter {name}: {adapter.count} experts placed on "
-                 f"{len(registered.placed)} expert servers in {time.monotonic() - started:.1f}s")
+        placed: list[Registered] = []
+
+        def place(fence: Fence, held: "Held | None") -> str:
+            found = self._found(name, digests)  # placed by another while this one waited
+            if found is not None:
+                placed.append(Registered(name, adapter, found))
+                return f"its {adapter.count} experts were on the expert servers already"
+            for attempt in range(1, PLACE_ATTEMPTS + 1):
+                try:
+                    placed.append(self._place(name, adapter, digests, fence, held))
+                    return (f"{adapter.count} experts placed on {len(placed[0].placed)} "
+                            "expert servers")
+                except _Collision as exc:
+                    if attempt == PLACE_ATTEMPTS:
+                        raise AdapterError(f"ESFT adapter {name} could not be placed on the "
+                                           f"expert servers: {exc}, {attempt} times") from None
+                    self.say(f"sglang-eaas: ESFT adapter {name}: {exc}; placing it again under "
+                             "other ids")
+                    time.sleep(random.uniform(*RETRY_PAUSE) * attempt)
+            raise AssertionError("unreachable")
+
+        self._operation(ADAPTER_LOAD, {"adapter": name, "path": str(adapter.path),
+                                       "replicas": self.replicas}, place)
+        registered = placed[0]
+        self.say(f"sglang-eaas: ESFT adapter {name}: {adapter.count} experts on "
+                 f"{len(registered.placed) or 'the'} expert servers in "
+                 f"{time.monotonic() - started:.1f}s")
         return registered
 
-    def _place(self, name: str, adapter: EsftAdapter, digests: dict[int, dict[int, str]]
-               ) -> Registered:
+    def _place(self, name: str, adapter: EsftAdapter, digests: dict[int, dict[int, str]],
+               fence: Fence = NO_FENCE, held: "Held | None" = None) -> Registered:
         """One placement under the lowest free ids, rolled back if it fails; ``_Collision``
-        if another adapter took some of the same ids meanwhile."""
+        if another adapter took some of the same ids meanwhile. The plan is recorded in the
+        operation (``held``) before the first add."""
         mapping = self._allocate(name, adapter)
         plan = self._plan(mapping)
         registered = Registered(name, adapter, mapping)
+        if held is not None:
+            held.note(_placed=tier_message(Holdings({
+                server: {layer: [p for p, _ in pairs] for layer, pairs in layers.items()}
+                for server, layers in plan.items()})))
         try:
             for server, layers in plan.items():
                 for layer, pairs in layers.items():
+                    fence.check()
                     try:
                         call(server, AddExperts(layer, [p for p, _ in pairs], adapter=name,
                                                 adapter_path=str(adapter.path),
-                                                replaces=[b for _, b in pairs]),
+                                                replaces=[b for _, b in pairs],
+                                                epoch=fence.epoch),
                              self.token, self.timeout)
                     except Refused as exc:
                         if exc.reason == "adapter_slot_taken":
@@ -120,10 +169,10 @@ class Registrar:
                         **registered.placed.get(server, {}), layer: [p for p, _ in pairs]})
             self._wait_found(name, digests, mapping)
         except _Collision:
-            self._drop(registered, grace=0.0)
+            self._drop(registered, grace=0.0, fence=fence)
             raise
         except (TransportError, ControlError, AdapterError) as exc:
-            self._drop(registered, grace=0.0)
+            self._drop(registered, grace=0.0, fence=fence)
             raise AdapterError(f"ESFT adapter {name} could not be placed on the expert "
                                f"servers: {exc}") from None
         return registered
@@ -214,14 +263,22 @@ class Registrar:
     def unregister(self, registered: Registered, grace: float = DROP_GRACE) -> None:
         """Drop the experts this registrar placed for ``registered`` (servers that are gone
         have dropped them already)."""
-        self._drop(registered, grace)
+        if registered.placed:
+            def drop(fence: Fence, held: "Held | None") -> str:
+                count = sum(len(ids) for s in registered.placed.values() for ids in s.values())
+                self._drop(registered, grace, fence)
+                return f"{count} experts dropped"
+
+            self._operation(ADAPTER_UNLOAD, {"adapter": registered.name,
+                                             "_placed": tier_message(registered.placed)}, drop)
         self.say(f"sglang-eaas: ESFT adapter {registered.name}: unloaded")
 
-    def _drop(self, registered: Registered, grace: float) -> None:
+    def _drop(self, registered: Registered, grace: float, fence: Fence = NO_FENCE) -> None:
         for server, layers in registered.placed.items():
             for layer, physical in layers.items():
                 try:
-                    call(server, DropExperts(layer, list(physical), force=True, grace=grace),
+                    call(server, DropExperts(layer, list(physical), force=True, grace=grace,
+                                             epoch=fence.epoch),
                          self.token, self.timeout)
                 except (TransportError, ControlError) as exc:
                     logger.warning("ESFT adapter %s: could not drop experts %s of MoE layer %d "

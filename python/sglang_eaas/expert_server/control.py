@@ -25,6 +25,13 @@ if TYPE_CHECKING:
     from sglang_eaas.expert_server.server import ExpertServer, Membership
 
 
+# the holdings changes, fenced by the operation lease's epoch (ExpertServer.obey)
+CHANGES = {"drain": Drain, "add_experts": AddExperts, "drop_experts": DropExperts,
+           "add_parts": AddParts, "drop_parts": DropParts}
+CHANGE_METHODS = {"add_experts": "add", "drop_experts": "drop", "add_parts": "add_parts",
+                  "drop_parts": "drop_parts"}
+
+
 def control_endpoint(server: "ExpertServer", host: str, port: int, token: str) -> LineEndpoint:
     return LineEndpoint((host, port), token, lambda conn: ControlSession(server, conn),
                         "eaas-control")
@@ -60,16 +67,13 @@ class ControlSession:
             return Done()
         if op == "stats":
             return self.server.stats_record()
-        if op == "drain":
-            return Drained(self.server.drain(Drain.from_message(message)))
-        if op == "add_experts":
-            return self.server.replicas.add(AddExperts.from_message(message))
-        if op == "drop_experts":
-            return self.server.replicas.drop(DropExperts.from_message(message))
-        if op == "add_parts":
-            return self.server.replicas.add_parts(AddParts.from_message(message))
-        if op == "drop_parts":
-            return self.server.replicas.drop_parts(DropParts.from_message(message))
+        if op in CHANGES:
+            request = CHANGES[op].from_message(message)
+            self.server.obey(request.epoch)
+            if op == "drain":
+                return Drained(self.server.drain(request))
+            change = getattr(self.server.replicas, CHANGE_METHODS[op])
+            return change(request)
         if op == "export_weights":
             return self.server.exports.export(ExportWeights.from_message(message))
         if op == "release_weights":

@@ -157,6 +157,7 @@ class ExpertServer:
         self.tier = None  # expert_server.tier.ServerTier once registered with a monitor
         self.fill_threads = fill_threads(config)
         self.replicas = Replicas(self)  # holdings changed while serving
+        self.epoch = 0  # the newest operation lease epoch obeyed (``obey``)
 
     @property
     def address(self) -> str:
@@ -168,6 +169,23 @@ class ExpertServer:
             self.tier.presence.set_holdings(holdings)
 
     # -- control plane -------------------------------------------------------------------
+    def obey(self, epoch: int) -> None:
+        """A holdings change sent under the operation lease of ``epoch`` (0: outside the
+        tier controller): ``ControlError("stale_epoch")`` if a newer lease changed this server
+        already (the sender's lease lapsed and another operation holds the tier), else it is
+        the newest, remembered and told to the monitor at the next registration."""
+        with self._lock:
+            if epoch and epoch < self.epoch:
+                raise ControlError("stale_epoch", (
+                    f"expert server {self.address} obeyed operation epoch {self.epoch} "
+                    f"already; a change under epoch {epoch} comes from an operation whose "
+                    "lease lapsed (another operation holds the tier)"))
+            if epoch <= self.epoch:
+                return
+            self.epoch = epoch
+        if self.tier is not None:
+            self.tier.presence.set_epoch(epoch)
+
     def join(self, request: JoinRequest, connection: Any = None
              ) -> tuple[JoinReply, "Membership"]:
         """Reserve a slot for a client; it serves only once the client confirms (``ready``).
@@ -231,7 +249,8 @@ class ExpertServer:
             slots=len(self._active), expert_load=self.expert_load.per_expert(),
             control_refused=control["control_refused"],
             refused_connections=control["refused_connections"],
-            counters={**self.stats, **held.counters, "retiring": held.retiring_count()},
+            counters={**self.stats, **held.counters, "retiring": held.retiring_count(),
+                      "operation_epoch": self.epoch},
             **({} if self.tier is None else self.tier.counters()))
 
     def load(self) -> dict[str, Any]:

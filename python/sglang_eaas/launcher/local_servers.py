@@ -112,6 +112,12 @@ class LocalLauncher:
         self.started.update({s.address: s for s in made})
         return [s.address for s in made]
 
+    def exited(self, addresses: list[str]) -> bool:
+        """Whether one of the servers at ``addresses`` that this launcher started has exited
+        (it will not register: the resize starts its batch again)."""
+        return any(self.started[a].process.poll() is not None for a in addresses
+                   if a in self.started)
+
     def stop(self, address: str) -> None:
         server = self.started.pop(address, None)
         if server is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Callable
 
 from ibgda import TransportError
@@ -139,6 +140,11 @@ class Presence:
                     self._lost_between_beats(exc)
                     return
                 self.member = self.member.with_holdings(holdings)
+
+    def set_epoch(self, epoch: int) -> None:
+        """A server obeyed operation lease ``epoch``: said at its next registration (so a
+        monitor that restarted learns it: ``monitor/operations.py``)."""
+        self._template = replace(self._template, epoch=epoch)
 
     def _lost_between_beats(self, exc: MemberLost) -> None:
         """Under the lock: the monitor no longer has this registration (lost or evicted since

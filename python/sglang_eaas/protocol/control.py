@@ -23,6 +23,11 @@ that names its op and its reply's record:
     ExpertWeights ("expert_weights") -> WeightsChunk: a peer reads one expert's weights over
                                        this channel (without a weight fabric between them)
 
+The holdings changes (``drain``, ``add_experts``, ``drop_experts``, ``add_parts``,
+``drop_parts``) carry the ``epoch`` of the tier controller's operation lease they are sent
+under; a server refuses (``stale_epoch``) one older than the newest it obeyed, so a driver
+whose lease lapsed cannot change it behind the next operation (``protocol/operations.py``).
+
 The records below are the only definition of these messages; both ends use them: a sender
 passes one to ``call`` (or ``Channel.call``) and gets the reply's record back.
 """
@@ -188,6 +193,7 @@ class Drain(Request):
 
     force: bool = False
     timeout: float = 30.0  # seconds to wait for clients to stop using the server
+    epoch: int = 0  # the operation lease it is sent under (0: none; protocol/operations.py)
 
     op = "drain"
     reply = Drained
@@ -231,6 +237,7 @@ class AddExperts(Request):
     replaces: list[int] = field(default_factory=list)
     parts: int = 0
     part_sources: dict = field(default_factory=dict)  # control address -> [routed part ids]
+    epoch: int = 0  # the operation lease it is sent under (0: none; protocol/operations.py)
 
     op = "add_experts"
     reply = HoldingsChange
@@ -260,6 +267,7 @@ class DropExperts(Request):
     experts: list[int]
     force: bool = False
     grace: float = 2.0
+    epoch: int = 0  # the operation lease it is sent under (0: none)
 
     op = "drop_experts"
     reply = HoldingsChange
@@ -303,6 +311,7 @@ class AddParts(Request):
     parts: int
     ids: list[int]
     sources: dict = field(default_factory=dict)  # control address -> [expert ids]
+    epoch: int = 0  # the operation lease it is sent under (0: none)
 
     op = "add_parts"
     reply = PartsChange
@@ -326,6 +335,7 @@ class DropParts(Request):
     layer: int
     force: bool = False
     grace: float = 2.0
+    epoch: int = 0  # the operation lease it is sent under (0: none)
 
     op = "drop_parts"
     reply = PartsChange
