@@ -43,7 +43,7 @@ from bench_lib.report import ROOT, Report, default_out, pyplot, save_figure, say
 from bench_lib.streams import Run, closed_loop  # noqa: E402
 
 from sglang_eaas import cpu_runtime, envs  # noqa: E402
-from sglang_eaas.elastic.operations import TOKEN_HEADER  # noqa: E402
+from sglang_eaas.protocol.operations import TOKEN_HEADER  # noqa: E402
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model  # noqa: E402
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError  # noqa: E402
 

@@ -46,7 +46,7 @@ from bench_lib.report import ROOT, Report, default_out, pyplot, save_figure, say
 from bench_lib.streams import Run, closed_loop, throughput  # noqa: E402
 
 from sglang_eaas import cpu_runtime, envs  # noqa: E402
-from sglang_eaas.elastic.operations import TOKEN_HEADER  # noqa: E402
+from sglang_eaas.protocol.operations import TOKEN_HEADER  # noqa: E402
 from sglang_eaas.protocol.control import probe  # noqa: E402
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model  # noqa: E402
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError  # noqa: E402
@@ -92,7 +92,7 @@ class Admin:
     def scale(self, servers: int, op_id: str) -> dict:
         op = requests.post(f"{self.url}/eaas/scale", json={"servers": servers, "id": op_id},
                            headers=self.headers, timeout=30).json()
-        while op.get("state") == "running":
+        while op.get("state") in ("pending", "running"):
             time.sleep(0.05)
             op = requests.get(f"{self.url}/eaas/operations/{op_id}", headers=self.headers,
                               timeout=30).json()

@@ -13,7 +13,7 @@ import pytest
 import requests
 from conftest import model_path, start_server
 
-from sglang_eaas.elastic.operations import TOKEN_HEADER
+from sglang_eaas.protocol.operations import TOKEN_HEADER
 from sglang_eaas.tools import scale
 from sglang_eaas.tools.make_tiny_model import PRESETS
 

@@ -194,6 +194,7 @@ class EaasConfig:
     spawn: LocalSpawn | None = None  # set by the launcher where it started the servers
     autoscale: AutoscaleSettings | None = None  # --eaas-autoscale
     layout: LayoutSettings | None = None  # --eaas-layout tp|auto (None: ep, as started)
+    max_servers: int | None = None  # --eaas-max-servers (None: what the placement can use)
 
     def adapter_slots(self, num_experts: int) -> int:
         """Expert ids per MoE layer past the model's ``num_experts`` (0 without ESFT)."""
@@ -425,6 +426,16 @@ def add_cli_args(parser: argparse.ArgumentParser,
         "server holding adapter experts can die without failing the adapter's requests.",
     )
     group.add_argument(
+        "--eaas-max-servers",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="The most active expert servers a resize of the tier may ask for (the admin API, "
+        "python -m sglang_eaas.tools.scale, the autoscaler); more is refused before anything "
+        "starts. Default, and always at most: what the placement can use, the fewest expert "
+        "replicas of any MoE layer (more servers would hold nothing there).",
+    )
+    group.add_argument(
         "--eaas-autoscale",
         action="store_true",
         default=None,
@@ -504,7 +515,8 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                          "eaas_kernel", "eaas_disable_shrink", "eaas_disable_overlap",
                          "eaas_load_dump", "eaas_load_window", "eaas_esft",
                          "eaas_esft_adapters", "eaas_esft_slots", "eaas_esft_max_experts",
-                         "eaas_esft_replicas", *AUTOSCALE_FLAGS, *LAYOUT_FLAGS)
+                         "eaas_esft_replicas", "eaas_max_servers", *AUTOSCALE_FLAGS,
+                         *LAYOUT_FLAGS)
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -555,7 +567,11 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                      args.eaas_load_window or LOAD_WINDOW, esft,
                      tuple(args.eaas_esft_adapters or ()), args.eaas_esft_slots,
                      args.eaas_esft_max_experts, args.eaas_esft_replicas or 1)
-    cfg = replace(cfg, autoscale=autoscale_settings(args), layout=layout_settings(args))
+    cfg = replace(cfg, autoscale=autoscale_settings(args), layout=layout_settings(args),
+                  max_servers=getattr(args, "eaas_max_servers", None))
+    from sglang_eaas.controller.controller import lease_ttl
+
+    lease_ttl()  # SGLANG_EAAS_OPERATION_LEASE, refused now rather than at the first operation
     if args.eaas_placement is None and not cfg.esft_adapters:
         return cfg
     try:

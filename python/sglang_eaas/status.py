@@ -4,7 +4,9 @@ Prints every expert server (status, incarnation, seconds since its last heartbea
 requests and tokens served, experts per MoE layer), then each MoE layer's coverage (how many
 live holders each expert has, and which have none), what each server computed per MoE layer
 (tokens, compute time, its busiest expert), then the attention clients and the latest
-departures with why. ``--json`` prints the monitor's snapshot instead.
+departures with why, and the tier controller's latest operations (the one holding the tier,
+and each one's state and result). ``--json`` prints the monitor's snapshot and operations
+instead.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import Counter
 
 from ibgda import TransportError
 from sglang_eaas import envs
-from sglang_eaas.membership import current_snapshot, parse_monitor
+from sglang_eaas.membership import connect, current_snapshot, parse_monitor
 from sglang_eaas.protocol.monitor import Member, Snapshot
+from sglang_eaas.protocol.operations import OperationList, describe_target
 from sglang_eaas.routing_table import lenient_table
 
 
@@ -32,6 +36,24 @@ def ranges(ids: list[int]) -> str:
         out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
         i = j + 1
     return ",".join(out) or "-"
+
+
+def render_operations(listed: OperationList) -> list[str]:
+    """The tier controller's latest operations, newest first (the one holding the tier
+    marked)."""
+    if not listed.operations:
+        return ["", "operations: none yet"]
+    lines = ["", f"operations (newest first; operation lease epoch {listed.epoch}"
+             + (f", held by {listed.holder}" if listed.holder else ", free") + "):"]
+    for op in listed.operations:
+        when = time.strftime("%H:%M:%S", time.localtime(op.started_at)) if op.started_at \
+            else "-"
+        took = (f" in {op.finished_at - op.started_at:.1f}s" if op.final and op.started_at
+                else "")
+        text = op.result or op.progress
+        lines.append(f"  {op.id}  {op.state}{took}  {describe_target(op.kind, op.target)}, "
+                     f"asked {when} by {op.requester}" + (f": {text}" if text else ""))
+    return lines
 
 
 def render(snapshot: Snapshot, monitor: str) -> str:
@@ -126,8 +148,14 @@ def main(argv: list[str] | None = None) -> int:
                    "its log, or a standalone one) or etcd://HOST:PORT")
     p.add_argument("--token", default=None,
                    help=f"the shared token (default: the {envs.TOKEN.name} environment variable)")
-    p.add_argument("--json", action="store_true", help="print the monitor's snapshot as JSON")
+    p.add_argument("--operations", type=int, default=10, metavar="N",
+                   help="the latest N operations of the tier controller (resizes, switches, "
+                   "rebalances, ...), newest first; default %(default)s")
+    p.add_argument("--json", action="store_true",
+                   help="print the monitor's snapshot and operations as JSON")
     args = p.parse_args(argv)
+    if not 1 <= args.operations <= 256:
+        p.error(f"--operations must be 1-256, got {args.operations}")
     try:
         parse_monitor(args.monitor, embedded_ok=False)
     except ValueError as exc:
@@ -137,11 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"the monitor needs the shared token: pass --token or set {envs.TOKEN.name}")
     try:
         snapshot = current_snapshot(args.monitor, token)
+        backend = connect(args.monitor, token)
+        try:
+            listed = backend.operations("", args.operations)
+        finally:
+            backend.close()
     except TransportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(snapshot.to_message(), indent=2) if args.json
-          else render(snapshot, args.monitor))
+    if args.json:
+        print(json.dumps({**snapshot.to_message(), "operations": listed.to_message()},
+                         indent=2))
+    else:
+        print(render(snapshot, args.monitor) + "\n" + "\n".join(render_operations(listed)))
     return 0
 
 

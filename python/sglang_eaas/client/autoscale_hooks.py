@@ -34,7 +34,7 @@ from sglang_eaas.elastic.autoscaler import Autoscaler, Decision, TierBusy
 from sglang_eaas.elastic.tier_busy import TierBusySampler
 from sglang_eaas.membership import current_snapshot
 from sglang_eaas.model_info import MoeModelInfo
-from sglang_eaas.elastic.operations import TOKEN_HEADER
+from sglang_eaas.protocol.operations import TOKEN_HEADER
 
 logger = logging.getLogger(__name__)
 ADMIN_TIMEOUT = 30.0

@@ -72,6 +72,7 @@ def init_lora_manager(init: Callable, model_runner: Any) -> None:
     from sglang.srt.runtime_context import get_lora
 
     from sglang_eaas.client.sglang_moe import current_client
+    from sglang_eaas.controller.controller import TierController, requester_name
     from sglang_eaas.esft.manager import EsftManager
     from sglang_eaas.esft.registrar import Registrar
 
@@ -80,9 +81,13 @@ def init_lora_manager(init: Callable, model_runner: Any) -> None:
         raise RuntimeError("--eaas-esft: this model has no MoE layer served by the expert "
                            "servers, so there is nothing for ESFT adapters to replace")
     info = client.info
+    monitor = client.tier.settings.monitor
+    controller = (TierController(monitor, client.tier.token(),
+                                 requester_name("ESFT adapters of SGLang"))
+                  if monitor else None)
     registrar = Registrar(client, client.tier.token(), cfg.adapter_slots(info.num_experts),
                           cfg.esft_replicas,
-                          orchestrate=get_tp_group().rank_in_group == 0)
+                          orchestrate=get_tp_group().rank_in_group == 0, controller=controller)
     model_runner.lora_manager = EsftManager(client.esft, registrar,
                                             cfg.adapter_budget(info.num_experts),
                                             get_lora().lora_paths)

@@ -10,6 +10,10 @@ per expert and MoE layer over some steps) on the sinks' thread, never the schedu
   a switch it asks for is made on a thread of its own (windows meanwhile are not judged), over
   the tier's serving servers, and logged with its reason.
 
+Every switch is an operation of the tier controller (``controller/``): where another operation
+holds the tier, ``auto``'s switch is not made (logged; judged again after the dwell) and
+``tp`` waits for it.
+
 With ``--enable-metrics``, ``/metrics`` shows the switches (``sglang_eaas_layout_switches_total``
 by direction) and the last window's predicted MoE time per step in each layout
 (``sglang_eaas_layout_predicted_ms``); every rank shows each layer's layout as it routes it
@@ -22,16 +26,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import asdict
 from typing import Callable
 
 from sglang_eaas import envs
 from sglang_eaas.balance.load import LoadWindow
 from sglang_eaas.client.metrics import metrics_enabled
+from sglang_eaas.controller.controller import (
+    Busy, Ended, Held, TierController, requester_name,
+)
+from sglang_eaas.controller.end_state import read_end_state
 from sglang_eaas.elastic.layout_policy import EP, TP, LayoutChooser, LayoutSettings
-from sglang_eaas.elastic.switch import Switcher, SwitchError
+from sglang_eaas.elastic.switch import Switcher, SwitchError, layouts
 from sglang_eaas.slices import Part
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import PlacementError, even_placement
+from sglang_eaas.protocol.operations import DONE, SWITCH
 from sglang_eaas.routing_table import RoutingTable
 
 logger = logging.getLogger(__name__)
@@ -48,6 +58,8 @@ class LayoutSwitcher:
         window."""
         self.settings, self.info, self.table = settings, info, table
         self.switcher = Switcher(monitor, envs.TOKEN.get(), info, say=logger.info)
+        self.controller = TierController(monitor, envs.TOKEN.get(), requester_name(
+            f"layout policy (--eaas-layout {settings.mode}) of SGLang"), say=logger.info)
         self.metrics = _Metrics.create()
         self.chooser: LayoutChooser | None = None
         self._group: tuple[str, ...] = ()
@@ -107,17 +119,36 @@ class LayoutSwitcher:
                                "each (%s); it stays in EP", parts, exc)
             return False
 
-    def _switch(self, to: str, group: list[str]) -> None:
+    def _switch(self, to: str, group: list[str], wait: float = 0.0) -> None:
         self._attempted = time.monotonic()
+        layers = list(self.info.moe_layers)
+        target = {"layers": layers, "to": to, "group": group, "parts": 0,
+                  "grace": self.switcher.grace, "model": asdict(self.info),
+                  "fingerprint": self.info.fingerprint()}
+
+        def body(held: Held) -> Ended:
+            held.note(_from={str(layer): parts for layer, parts in
+                             layouts(self.switcher.holdings(), self.info).items()})
+            done = self.switcher.switch(layers, to, group, None, held.fence)
+            return Ended(f"switched {len(done)} MoE layers to {to.upper()}",
+                         read_end_state(self.switcher.monitor, self.switcher.token,
+                                        self.info.fingerprint()))
+
         try:
             began = time.perf_counter()
-            self.switcher.switch(list(self.info.moe_layers), to, group)
-            logger.info("eaas layout: every MoE layer is %s now (switched in %.2fs)",
-                        to.upper(), time.perf_counter() - began)
+            self.switcher.check(layers, to, group)
+            record = self.controller.run(SWITCH, target, body, wait=wait)
+            if record.state != DONE:
+                raise SwitchError(f"operation {record.id} {record.state}: {record.result}")
+            logger.info("eaas layout: every MoE layer is %s now (switched in %.2fs, operation "
+                        "%s)", to.upper(), time.perf_counter() - began, record.id)
             if self.chooser is not None:
                 self.chooser.switched(to)
             if self.metrics is not None:
                 self.metrics.switched(to)
+        except Busy as exc:
+            logger.info("eaas layout: not switching to %s now: %s", to.upper(), exc)
+            self.chooser = None
         except (SwitchError, PlacementError, OSError, RuntimeError) as exc:
             logger.warning("eaas layout: the switch to %s failed: %s", to.upper(), exc)
             self.chooser = None  # judged again from the tier as it is, after the dwell
@@ -134,7 +165,7 @@ class LayoutSwitcher:
             if len(group) >= 2:
                 if self._can_cut(len(group)):
                     self._switching.acquire()
-                    self._switch(TP, group)
+                    self._switch(TP, group, wait=START_TIMEOUT)
                 return
             time.sleep(0.5)
         logger.warning("eaas layout: no two expert servers came within %.0fs; the tier stays "

@@ -37,6 +37,8 @@ expert_servers:                  # one of count, placement, experts; default cou
   placement: FILE                #   or a placement file (docs/plugin.md): local:N keys, or
                                  #   HOST:PORT keys (where each server listens)
   experts: ["0-15", "16-31"]     #   or one expert list per server (every MoE layer)
+  standby: 1                     # more servers started --standby (warm, holding nothing,
+                                 #   taken first by a resize); default 0
   args: ["--kernel", "fast"]     # more flags of every expert server
 sglang:
   args: ["--device", "cpu"]      # flags of every SGLang instance
@@ -52,6 +54,7 @@ router:
 """
 
 STANDALONE = "standalone"
+MAX_STANDBY = 64  # expert_servers.standby at most
 # Flags the deployment sets itself, per list of arguments, and what to write instead.
 OWN_FLAGS = {
     "expert_servers.args": {
@@ -86,8 +89,9 @@ class MonitorPlan:
 @dataclass(frozen=True)
 class ServerPlan:
     name: str  # expert-server-I
-    experts: PlacedExperts  # a list (every MoE layer) or a map of layers
+    experts: PlacedExperts  # a list (every MoE layer) or a map of layers ([] for standby)
     listen: str | None = None  # HOST:PORT given by a placement file, else a free loopback port
+    standby: bool = False  # started --standby (holding nothing)
 
 
 @dataclass(frozen=True)
@@ -203,7 +207,8 @@ def _monitor(value: Any) -> MonitorPlan:
 def _expert_servers(value: Any, info: MoeModelInfo) -> tuple[tuple[ServerPlan, ...],
                                                              tuple[str, ...]]:
     where = "expert_servers"
-    section = _fields(where, value, {"count", "replicas", "placement", "experts", "args"})
+    section = _fields(where, value, {"count", "replicas", "placement", "experts", "standby",
+                                     "args"})
     given = [k for k in ("count", "placement", "experts") if k in section]
     if len(given) > 1:
         raise DeployConfigError(f"{where}: give one of count, placement and experts, not "
@@ -228,6 +233,12 @@ def _expert_servers(value: Any, info: MoeModelInfo) -> tuple[tuple[ServerPlan, .
         # server i holds blocks i, i+1, ..., i+replicas-1: every expert on `replicas` servers
         servers = tuple(ServerPlan(f"expert-server-{i}", sorted(
             e for r in range(replicas) for e in blocks[(i + r) % count])) for i in range(count))
+    standby = section.get("standby", 0)
+    if type(standby) is not int or not 0 <= standby <= MAX_STANDBY:
+        raise DeployConfigError(f"{where}.standby: must be a whole number of standby servers, "
+                                f"0-{MAX_STANDBY}, got {_kind(standby)}")
+    servers += tuple(ServerPlan(f"expert-server-{len(servers) + i}", [], standby=True)
+                     for i in range(standby))
     return servers, args
 
 

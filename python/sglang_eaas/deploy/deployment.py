@@ -21,11 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ibgda import TransportError
 from sglang_eaas import envs
+from sglang_eaas.controller.end_state import read_end_state
 from sglang_eaas.deploy import parts, ready
 from sglang_eaas.deploy.config import ETCD, DeployConfig
 from sglang_eaas.deploy.processes import Child, stop_together
 from sglang_eaas.model_info import MoeModelInfo
+from sglang_eaas.protocol.operations import DONE, FAILED, RESTART
 
 REPORT_EVERY = 15.0  # seconds between progress lines while waiting
 MAX_RESTARTS = 3  # an expert server that exits while serving is started again this many times
@@ -67,7 +70,8 @@ class Deployment:
         self.stages: list[list[Child]] = []  # in start order
         self.expert_servers: list[Child] = []
         self.restarts: dict[str, int] = {}  # expert server -> times started again
-        self._coming_back: set[str] = set()
+        self._restarting: dict = {}  # expert server -> its restart operation (controller.Held)
+        self._waiting: dict[str, str] = {}  # expert server -> why its restart waits (said)
         self.url: str | None = None  # the router's, once serving
         self.monitor_url: str | None = None
         self._etcd_dir: str | None = None
@@ -93,6 +97,9 @@ class Deployment:
         if self._stopped:
             return self._stop_notes
         self._stopped = True
+        for name, held in self._restarting.items():  # before the monitor goes
+            held.finish(FAILED, f"{name}: the deployment stopped before it was back")
+        self._restarting.clear()
         notes = self._stop_notes
         for stage in reversed(self.stages):
             started = [c for c in stage if c.process is not None]
@@ -152,28 +159,76 @@ class Deployment:
         return None
 
     def restart_lost_servers(self) -> list[str]:
-        """While serving: start again each expert server that exited (they hold no state: a new
-        one with the same experts and address registers, and the clients join it), and say
-        when each is back in the tier. Meanwhile the other holders of its experts serve them;
-        requests needing an expert it alone held end with HTTP 503. Returns progress lines."""
+        """While serving: start again each expert server that exited, and say when each is
+        back in the tier. One that exited with status 0 left in order (the tier retired it:
+        drained; or it was stopped) and comes back ``--standby``, holding nothing, warm for the
+        next resize (as a Kubernetes pod's container does). One that failed (up to
+        ``MAX_RESTARTS`` times) comes back as it was (they hold no state: a new one with the
+        same experts and address registers, and the clients join it); meanwhile the other
+        holders of its experts serve them, and requests needing an expert it alone held end
+        with HTTP 503. Bringing experts back changes what the tier holds, so that restart is
+        an operation of the tier controller (``restart``): it waits for the tier's operation
+        lease (the next call tries again) and holds it until the server is back. Returns
+        progress lines."""
         lines = []
         for child in self.expert_servers:
             code, done = child.exit_code(), self.restarts.get(child.name, 0)
-            if code is None or done >= MAX_RESTARTS:
+            if code is None or child.name in self._restarting:
+                continue
+            if code == 0:
+                child.command = parts.as_standby(child.command)
+                child.start(self.env, again=True)
+                lines.append(f"deploy: {child.name} left the tier in order (the tier retired "
+                             "it, or it was stopped); starting it again as a standby server")
+                continue
+            if done >= MAX_RESTARTS:
+                continue
+            standby = "--standby" in child.command
+            held = None if standby else self._take_tier(child, lines)
+            if held is None and not standby:
                 continue
             self.restarts[child.name] = done + 1
             lines.append(f"deploy: {child.name} (pid {child.pid}) exited with code {code} "
                          f"while serving; starting it again ({done + 1} of {MAX_RESTARTS})")
             child.start(self.env, again=True)
-            self._coming_back.add(child.name)
-        if self._coming_back:
+            if held is not None:
+                self._restarting[child.name] = held
+        if self._restarting:
             info = MoeModelInfo.from_model_path(self.config.model)
-            back = [c for c in self.expert_servers if c.name in self._coming_back
-                    and ready.expert_tier(self.monitor_url, self.token, [c.address], info) is None]
-            for child in back:
-                self._coming_back.discard(child.name)
-                lines.append(f"deploy: {child.name} is back on {child.address} (pid {child.pid})")
+            for child in [c for c in self.expert_servers if c.name in self._restarting]:
+                held = self._restarting[child.name]
+                if child.exit_code() is not None:
+                    del self._restarting[child.name]
+                    held.finish(FAILED, f"{child.name} exited again (code {child.exit_code()})")
+                elif ready.expert_tier(self.monitor_url, self.token, [child.address],
+                                       info) is None:
+                    del self._restarting[child.name]
+                    held.finish(DONE, f"{child.name} is back on {child.address}",
+                                read_end_state(self.monitor_url, self.token, None))
+                    lines.append(f"deploy: {child.name} is back on {child.address} (pid "
+                                 f"{child.pid})")
         return lines
+
+    def _take_tier(self, child: Child, lines: list[str]):
+        """The tier's operation lease for restarting ``child`` (operations left unfinished by
+        a dead driver recovered first), or None while another operation holds it (said
+        once)."""
+        from sglang_eaas.controller.controller import Busy, TierController, requester_name
+
+        controller = TierController(self.monitor_url, self.token,
+                                    requester_name("deploy command"), say=self.progress)
+        try:
+            held = controller.acquire(RESTART, {"server": child.address, "part": child.name})
+        except (Busy, TransportError) as exc:
+            if self._waiting.get(child.name) != str(exc):
+                self._waiting[child.name] = str(exc)
+                lines.append(f"deploy: {child.name} exited; it starts again once the tier is "
+                             f"free: {exc}")
+            return None
+        self._waiting.pop(child.name, None)
+        held.recover_lapsed()
+        held.note(_part=child.name)
+        return held
 
     def __enter__(self) -> "Deployment":
         return self.start()

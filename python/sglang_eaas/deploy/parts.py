@@ -76,11 +76,31 @@ def expert_server_children(cfg: DeployConfig, monitor_url: str, ports: Ports, lo
     children = []
     for plan in cfg.expert_servers:
         listen = plan.listen or f"{HOST}:{ports.pick()}"
+        held = ["--standby"] if plan.standby else expert_args(plan.experts)
         children.append(Child(plan.name, [
             PYTHON, "-m", "sglang_eaas.expert_server", "--model-path", str(cfg.model),
-            *expert_args(plan.experts), "--listen", listen, "--monitor", monitor_url, *extra],
+            *held, "--listen", listen, "--monitor", monitor_url, *extra],
             listen, logs / f"{plan.name}.log"))
     return children
+
+
+HELD_FLAGS = ("--experts", "--layer-experts", "--part")  # an expert server's holdings
+
+
+def as_standby(command: list[str]) -> list[str]:
+    """An expert server's command, holding nothing (``--standby``) instead of its experts."""
+    if "--standby" in command:
+        return list(command)
+    out, skip = [], False
+    for arg in command:
+        if skip:
+            skip = False
+        elif arg in HELD_FLAGS:
+            skip = True
+        else:
+            out.append(arg)
+    at = out.index("--listen")
+    return [*out[:at], "--standby", *out[at:]]
 
 
 def sglang_parts(cfg: DeployConfig, monitor_url: str | None, ports: Ports, logs: Path

@@ -30,6 +30,8 @@ class EtcdProcess:
         client, peer = free_port(), free_port()
         self.address = f"{host}:{client}"
         self.url = f"etcd://{self.address}"
+        if log_path:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
             single_node_command(binary, self._dir, host, client, peer),

@@ -9,6 +9,12 @@ server over the mean as the servers measured it since the last pass, as the load
 current placement, and as it models the plan; and applies the moves live
 (``balance/apply.py``: adds from a peer first, then drops; clients switch tables between
 steps). ``--dry-run`` only prints. ``--interval S`` repeats every S seconds until interrupted.
+
+Each pass that moves something is an operation of the tier controller: refused in one sentence
+naming the running one while another operation holds the tier (``--wait S`` waits for it; with
+``--interval`` the pass is skipped and the next one tries again), planned again under the lease
+if the tier changed since the plan, recorded in the monitor, and read back: the exit status is
+0 only when the tier holds the plan.
 """
 
 from __future__ import annotations
@@ -30,7 +36,13 @@ from sglang_eaas.balance.server_load import (Counters, Since, default_state_path
                                              measured_ratio, read_counters, read_state, since,
                                              write_state)
 from sglang_eaas.client.load_recorder import DEFAULT_WINDOW_STEPS
+from sglang_eaas.controller.controller import (
+    Busy, Ended, Held, lease_ttl, TierController, requester_name,
+)
+from sglang_eaas.controller.end_state import read_end_state
 from sglang_eaas.holdings import Holdings
+from sglang_eaas.protocol.lines import ControlError
+from sglang_eaas.protocol.operations import DONE, REBALANCE, tier_message
 from sglang_eaas.membership import connect, parse_monitor
 from sglang_eaas.placement import PlacementError
 from sglang_eaas.routing_table import lenient_table
@@ -56,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"last closed window ({DEFAULT_WINDOW_STEPS} scheduler steps by default, "
                    "--eaas-load-window), so a pass sums, per client, the windows the monitor "
                    "showed while the tool watched it: the first pass watches until the windows "
-                   "hold --min-tokens per MoE layer (at most --wait seconds), each later "
+                   "hold --min-tokens per MoE layer (at most --load-wait seconds), each later "
                    "--interval pass adds the window each client carries then (windows closed "
                    "while the tool sleeps are never seen), keeping each client's latest "
                    "--windows; a one-shot pass therefore plans on about one window per client, "
@@ -94,9 +106,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--interval", type=float, default=0.0,
                    help="repeat every this many seconds (default 0: one pass); each pass plans "
                    "on the load since the one before")
-    p.add_argument("--wait", type=float, default=10.0,
+    p.add_argument("--load-wait", type=float, default=10.0, metavar="S",
                    help="--load clients: seconds the first pass waits for load windows "
                    "(default 10)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="if another operation holds the tier (a resize, a switch, ...), wait up "
+                   "to S seconds for it to end (default 0: a one-shot pass is refused naming it, "
+                   "an --interval pass skipped)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan, move nothing, and leave the state file as it is (a "
                    "real pass after it plans on the same load)")
@@ -107,8 +123,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(exc))
     if args.slots is not None and args.slots < 1:
         p.error(f"--slots must be >= 1, got {args.slots}")
-    if args.windows < 1 or args.min_tokens < 1 or args.interval < 0 or args.wait < 0:
-        p.error("--windows and --min-tokens must be >= 1, --interval and --wait >= 0")
+    if args.windows < 1 or args.min_tokens < 1 or args.interval < 0 or args.load_wait < 0:
+        p.error("--windows and --min-tokens must be >= 1, --interval and --load-wait >= 0")
     if not 0 < args.cv_target < 10:
         p.error(f"--cv-target must be between 0 and 10, got {args.cv_target}")
     if not 0 < args.stats_timeout <= 600:
@@ -116,6 +132,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"{args.stats_timeout}")
     if not 0 <= args.grace <= 600:
         p.error(f"--grace must be 0-600 seconds, got {args.grace}")
+    if not 0 <= args.wait <= 3600:
+        p.error(f"--wait must be 0-3600 seconds, got {args.wait}")
+    try:
+        lease_ttl()
+    except ValueError as exc:
+        p.error(str(exc))
     if args.state is not None and args.state.is_dir():
         p.error(f"--state {args.state} is a directory; give a file path")
     return args
@@ -195,7 +217,7 @@ class PassLoad:
 
 
 def clients_load(monitor, history: LoadHistory, args, first: bool):
-    deadline = time.monotonic() + (args.wait if first else 0.0)
+    deadline = time.monotonic() + (args.load_wait if first else 0.0)
     while True:
         snapshot = monitor.watch(-1, 0.0)
         history.take(snapshot)
@@ -236,7 +258,7 @@ def read_load(monitor, history, remembered: Remembered, args, token, first) -> P
 
 
 def one_pass(monitor, history: LoadHistory, remembered: Remembered, args, token: str,
-             first: bool) -> None:
+             first: bool, controller: TierController) -> None:
     got = read_load(monitor, history, remembered, args, token, first)
     current, load, layers = got.current, got.load, got.layers
     if least(load) < args.min_tokens:
@@ -261,11 +283,36 @@ def one_pass(monitor, history: LoadHistory, remembered: Remembered, args, token:
     if args.dry_run:
         say(f"rebalance: --dry-run: {len(decided.moves)} changes not made")
         return
-    done = apply_placement(decided.current, decided.target, token, args.grace,
-                           say=lambda line: say("  " + line))
-    say(f"rebalance: {sum(len(m.adds) for m in done.changes)} replicas added "
-        f"({done.from_peer} from peers, {done.from_disk} from disk), "
-        f"{sum(len(m.drops) for m in done.changes)} dropped, in {done.seconds:.1f}s")
+
+    def body(held: Held) -> Ended:
+        nonlocal decided
+        now, _ = tier_holdings(monitor.watch(-1, 0.0))
+        if now != decided.current:  # the tier changed since the plan: plan again on it
+            say("rebalance: the tier changed since the plan; planning again on it")
+            decided = plan(now, load, layers, args.slots or default_slots(now, got.num_experts),
+                           args.policy, **options)
+        held.note(_before=tier_message(decided.current), _target=tier_message(decided.target))
+        done = apply_placement(decided.current, decided.target, token, args.grace,
+                               say=lambda line: held.progress("  " + line), fence=held.fence)
+        result = (f"{sum(len(m.adds) for m in done.changes)} replicas added "
+                  f"({done.from_peer} from peers, {done.from_disk} from disk), "
+                  f"{sum(len(m.drops) for m in done.changes)} dropped, in {done.seconds:.1f}s")
+        reached, _ = tier_holdings(monitor.watch(-1, 0.0))
+        if reached.only(decided.target) != decided.target:
+            raise ValueError(f"the tier does not hold the plan after it was applied ({result})")
+        return Ended(result, read_end_state(args.monitor_url, token, None))
+
+    target = {"policy": args.policy, "num_experts": got.num_experts, "grace": args.grace}
+    try:
+        record = controller.run(REBALANCE, target, body, wait=args.wait)
+    except Busy as exc:
+        if not args.interval:
+            raise
+        say(f"rebalance: this pass is skipped: {exc}")
+        return
+    if record.state != DONE:
+        raise ValueError(f"operation {record.id} {record.state}: {record.result}")
+    say(f"rebalance: {record.result} (operation {record.id})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,18 +321,20 @@ def main(argv: list[str] | None = None) -> int:
     history = LoadHistory(args.windows)
     remembered = Remembered(args.state or default_state_path(args.monitor_url),
                             args.monitor_url, args.dry_run, args.stats_timeout)
+    controller = TierController(args.monitor_url, token, requester_name("tools.rebalance"),
+                                say=say)
     try:
         monitor = connect(args.monitor, token)
         first = True
         while True:
-            one_pass(monitor, history, remembered, args, token, first)
+            one_pass(monitor, history, remembered, args, token, first, controller)
             first = False
             if not args.interval:
                 return 0
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
-    except (TransportError, PlacementError, ValueError) as exc:
+    except (TransportError, PlacementError, ValueError, ControlError, Busy) as exc:
         print(f"rebalance: error: {exc}", file=sys.stderr)
         return 1
 

@@ -6,17 +6,31 @@ adds its part of every expert (cut from its own rows, a holder's over the weight
 checkpoint), then the whole experts are dropped; to EP, whole experts come back in contiguous
 blocks, then the parts are dropped. Clients adopt each layer's new layout at their next step;
 requests in flight complete. Prints each layer's switch and its time; exit status 0 done, 1
-failed (the message says which layer and why), 2 bad arguments.
+failed or refused (the message says which layer and why), 2 bad arguments.
+
+The switch is an operation of the tier controller: refused in one sentence naming the running
+one while another operation holds the tier (``--wait S`` waits for it), recorded in the
+monitor (``python -m sglang_eaas.status``), and exit status 0 only once the monitor shows every
+layer asked for in the new layout. Refused before anything starts: a checkpoint no server of
+the tier serves, more parts than the group's servers or than the experts can be cut into.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
 
 from ibgda import TransportError
 from sglang_eaas import envs
+from sglang_eaas.controller.controller import (
+    Busy, Ended, Held, lease_ttl, Known, RolledBack, TierController, requester_name,
+)
+from sglang_eaas.controller.end_state import read_end_state
+from sglang_eaas.controller.lease import LeaseLost
 from sglang_eaas.elastic.switch import LAYOUTS, SWITCH_GRACE, Switcher, SwitchError, layouts
+from sglang_eaas.protocol.lines import ControlError
+from sglang_eaas.protocol.operations import DONE, SWITCH
 from sglang_eaas.membership import parse_monitor
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 from sglang_eaas.placement import PlacementError, parse_expert_list
@@ -45,9 +59,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, MoeModelInfo
     p.add_argument("--grace", type=float, default=SWITCH_GRACE,
                    help="seconds a server keeps answering for what it dropped once no request "
                    "used it (default %(default)s)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="if another operation holds the tier (a resize, a rebalance, another "
+                   "switch), wait up to S seconds for it to end (default 0: refused at once, "
+                   "naming it)")
+    p.add_argument("--id", default="",
+                   help="operation id (default: a fresh one); the same id again does not start "
+                   "a second switch")
     p.add_argument("--token", default=None,
                    help="the tier's shared token (default: $SGLANG_EAAS_TOKEN)")
     args = p.parse_args(argv)
+    if not 0 <= args.wait <= 3600:
+        p.error(f"--wait is 0-3600 seconds, got {args.wait}")
+    try:
+        lease_ttl()
+    except ValueError as exc:
+        p.error(str(exc))
     try:
         parse_monitor(args.monitor, embedded_ok=False)
     except ValueError as exc:
@@ -75,15 +102,44 @@ def main(argv: list[str] | None = None) -> int:
     args, info = parse_args(argv)
     token = args.token if args.token is not None else envs.TOKEN.get()
     switcher = Switcher(args.monitor, token, info, args.grace, say=print)
+    target = {"layers": args.layers, "to": args.to, "group": args.group, "parts": args.parts or 0,
+              "grace": args.grace, "model": asdict(info), "fingerprint": info.fingerprint()}
+
+    def body(held: Held) -> Ended:
+        held.note(_from={str(layer): parts for layer, parts in
+                         layouts(switcher.holdings(), info).items()})
+        switcher.say = held.progress
+        done = switcher.switch(args.layers, args.to, args.group or None, args.parts, held.fence)
+        total = sum(r.seconds for r in done)
+        return Ended(f"switched {len(done)} MoE layers in {total:.2f}s",
+                     read_end_state(args.monitor, token, info.fingerprint()))
+
+    controller = TierController(args.monitor, token, requester_name("tools.switch"), say=print)
     try:
-        done = switcher.switch(args.layers, args.to, args.group or None, args.parts)
-        now = layouts(switcher.holdings(), info)
-    except (SwitchError, TransportError, OSError) as exc:
+        switcher.check(args.layers, args.to, args.group or None, args.parts)
+        record = controller.run(SWITCH, target, body, args.id, args.wait)
+    except Known as exc:
+        record = exc.record
+        print(f"operation {record.id} was asked for already", flush=True)
+    except (Busy, SwitchError, TransportError, ControlError, OSError, RolledBack,
+            LeaseLost) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    total = sum(r.seconds for r in done)
-    print(f"switched {len(done)} MoE layers in {total:.2f}s; layouts now (parts per layer, 1 = "
-          f"EP): {now}", flush=True)
+    if record.state != DONE:
+        print(f"error: operation {record.id} {record.state}: {record.result}", file=sys.stderr)
+        return 1
+    try:
+        now = layouts(switcher.holdings(), info)
+    except (TransportError, OSError) as exc:
+        print(f"error: the tier cannot be read back: {exc}", file=sys.stderr)
+        return 1
+    wrong = [layer for layer in args.layers if (now[layer] == 1) != (args.to == "ep")]
+    print(f"operation {record.id}: {record.result}; layouts now (parts per layer, 1 = EP): "
+          f"{now}", flush=True)
+    if wrong:
+        print(f"error: MoE layers {wrong} are not {args.to.upper()} now (another operation "
+              "changed them since)", file=sys.stderr)
+        return 1
     return 0
 
 
