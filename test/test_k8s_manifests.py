@@ -22,6 +22,7 @@ import functools
 import io
 import math
 import re
+import shlex
 import shutil
 import subprocess
 from collections import Counter
@@ -266,12 +267,25 @@ def test_the_pool_listens_where_its_services_and_drain_say(tmp_path):
     status, recorded, err = k8s.run_recorded(*_pool_pod(9, tmp_path), tmp_path)
     assert status == 0 and _parse_server(recorded)[1].port == port, err
     hook = container["lifecycle"]["preStop"]["exec"]["command"]
-    env = {"POD_IP": k8s.FAKE_POD["status.podIP"], "SGLANG_EAAS_TOKEN": "test-token"}
+    env = {"POD_IP": k8s.FAKE_POD["status.podIP"], "SGLANG_EAAS_TOKEN": "test-token",
+           "EAAS_ADMIN_URL": "http://127.0.0.1:1"}  # nothing listens: the drain's fallback
+    # the hook retires the pod through the lead's admin API (the tier controller), keeping the
+    # active count, and waits for an operation in flight
+    retire = shlex.split(hook[-1].split("||")[0].replace("\n", " "))
+    assert retire[:3] == ["python", "-m", "sglang_eaas.tools.scale"], hook
+    from sglang_eaas.tools import scale
+
+    asked = scale.parse_args([a.replace("$EAAS_ADMIN_URL", _pool_env()["EAAS_ADMIN_URL"])
+                              .replace("$POD_IP", env["POD_IP"]) for a in retire[3:]])
+    assert asked.action == "retire" and asked.args == [f"{env['POD_IP']}:{port}"]
+    assert asked.replace and asked.wait > 0
+    lead = k8s.get("Service", "eaas-decode-lead")
+    assert asked.url == f"http://{lead['metadata']['name']}:{lead['spec']['ports'][0]['port']}"
     status, recorded, err = k8s.run_recorded(hook, env, tmp_path)
     args, _ = _parse_server(recorded)
     assert status == 0 and args.drain == f"{k8s.FAKE_POD['status.podIP']}:{port}", err
-    assert pool["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > (
-        args.drain_timeout + 30)  # the drain's longest wait
+    assert pool["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > max(
+        asked.wait + asked.timeout, args.drain_timeout + 30)  # the longest waits
     _mounts_model(pool, _pool_env()["MODEL_PATH"])
     governing = k8s.get("Service", pool["spec"]["serviceName"])
     assert governing["spec"]["clusterIP"] == "None"
@@ -363,8 +377,10 @@ def test_the_hpa_drives_the_pool_from_the_autoscalers_gauge(sglang_parser):
     assert seed == cfg.autoscale.min_servers
     assert hpa["minReplicas"] == pool["spec"]["replicas"] == cfg.autoscale.min_servers + 1
     assert hpa["maxReplicas"] == cfg.autoscale.max_servers + 1
-    # the tier, not Kubernetes, picks which server leaves (docs, "A cluster (Kubernetes)")
-    assert hpa["behavior"]["scaleDown"]["selectPolicy"] == "Disabled"
+    # a pod the HPA removes retires itself through the tier controller (its preStop hook),
+    # one at a time (docs, "A cluster (Kubernetes)")
+    assert hpa["behavior"]["scaleDown"]["policies"] == [
+        {"type": "Pods", "value": 1, "periodSeconds": 120}]
     assert pool["spec"]["updateStrategy"]["type"] == "OnDelete"
     assert hpa["behavior"]["scaleUp"]["tolerance"] == "0"
     pdb = k8s.get("PodDisruptionBudget", "eaas-expert")["spec"]
