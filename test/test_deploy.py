@@ -76,6 +76,8 @@ REFUSED = [
     (config(expert_servers={"count": 2, "replicas": 3}),
      "expert_servers.replicas: 3 copies of each expert need at least 3 servers, count is 2"),
     (config(expert_servers={"count": 40}), "expert_servers.count: 40 servers for 32 experts"),
+    (config(expert_servers={"count": 2, "standby": -1}),
+     "expert_servers.standby: must be a whole number of standby servers, 0-64, got -1"),
     (config(expert_servers={"count": 2, "placement": "p.yaml"}),
      "expert_servers: give one of count, placement and experts, not count and placement"),
     (config(expert_servers={"experts": ["0-15", "16-30"]}),
@@ -296,7 +298,8 @@ def pd_deployment(tmp_path_factory):
     user starts it; SIGKILLed at the end if a test left it running."""
     tmp = tmp_path_factory.mktemp("pd")
     path = tmp / "pd.yaml"
-    path.write_text(yaml.safe_dump(config(expert_servers={"count": 2, "replicas": 2})))
+    path.write_text(yaml.safe_dump(config(expert_servers={"count": 2, "replicas": 2,
+                                                          "standby": 2})))
     command = subprocess.Popen(
         [sys.executable, "-m", "sglang_eaas.deploy", str(path), "--log-dir", str(tmp / "logs")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -319,7 +322,8 @@ def pd_deployment(tmp_path_factory):
 @pytest.mark.cpu_only  # SGLang with --device cpu
 def test_pd_deployment_serves_like_monolithic(pd_deployment, monolithic_trained):
     running = pd_deployment
-    assert list(running.table) == ["monitor", "expert-server-0", "expert-server-1", "prefill-0",
+    assert list(running.table) == ["monitor", "expert-server-0", "expert-server-1",
+                                   "expert-server-2", "expert-server-3", "prefill-0",
                                    "decode-0", "router"], running.table
     assert {pid for _, pid in running.table.values()} <= {pid for pid, _, _ in running.tree}
     assert len(running.tree) > len(running.table)  # SGLang's schedulers and detokenizers too
@@ -327,10 +331,12 @@ def test_pd_deployment_serves_like_monolithic(pd_deployment, monolithic_trained)
     assert not [cmd for _, _, cmd in running.tree if token in " ".join(cmd)]
     expected = [monolithic_trained.generate(p, NEW_TOKENS)["output_ids"] for p in PROMPTS]
     assert [_generate(running.url, p) for p in PROMPTS] == expected
-    # Both instances are clients of the one pool: each server has the prefill's and the
-    # decode's rank joined.
-    servers = [running.table[f"expert-server-{i}"][0] for i in range(2)]
-    assert [probe(a, token).clients for a in servers] == [2, 2]
+    # Both instances are clients of the one pool: each server (the two standby ones too) has
+    # the prefill's and the decode's rank joined.
+    servers = [running.table[f"expert-server-{i}"][0] for i in range(4)]
+    assert [probe(a, token).clients for a in servers] == [2, 2, 2, 2]
+    assert [bool(probe(a, token).holdings.holds_any()) for a in servers] == [
+        True, True, False, False]
 
 
 @pytest.mark.slow
@@ -354,6 +360,219 @@ def test_an_expert_server_killed_during_pd_serving_loses_no_request_and_comes_ba
         "starting it again (1 of 3)" in running.output()
     running.tree += _tree(running.command.pid)  # the new server's processes
     assert concurrent_streams(running.url, STREAMS[:2], STREAM_TOKENS) == expected[:2]
+
+
+CHAOS_SECONDS = 100  # how long the actors change the tier at once
+
+
+class Actors:
+    """What the actors of the concurrency test did: each call's outcome, by actor."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.outcomes: list[tuple[str, str, str]] = []  # (actor, asked, outcome)
+        self.errors: list[str] = []  # what no actor may see (a traceback, an odd status)
+        self.op_ids: list[str] = []
+
+    def note(self, actor: str, asked: str, outcome: str, op_id: str = "") -> None:
+        with self.lock:
+            self.outcomes.append((actor, asked, outcome))
+            if op_id:
+                self.op_ids.append(op_id)
+
+    def count(self, outcome: str) -> int:
+        return sum(o == outcome for _, _, o in self.outcomes)
+
+
+def _admin(url: str, token: str, body: dict | None = None, path: str = "/eaas/scale"):
+    headers = {"X-Eaas-Token": token}
+    if body is None:
+        return requests.get(url + path, headers=headers, timeout=60)
+    return requests.post(url + path, json=body, headers=headers, timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only  # SGLang with --device cpu
+def test_operations_from_many_actors_at_once_are_serialised_and_lose_no_request(
+        pd_deployment, monolithic_trained, capsys, tmp_path):
+    """For CHAOS_SECONDS, at once: the admin APIs of the prefill and the decode instance,
+    ``tools.scale``, ``tools.switch``, ``tools.rebalance`` and the autoscaler's endpoint send
+    random operations (out-of-bound ones among them), a ``tools.switch`` process is SIGKILLed
+    mid-switch, and eight streams decode through the router the whole time. Then a checker over
+    the monitor's recorded history: every operation ended (done, failed or rolled back), none
+    overlapped another, each is readable from both instances; no request failed and every
+    token equals monolithic SGLang's; every snapshot the monitor showed had a live holder for
+    every expert; the tier ends as the last operation recorded it."""
+    import random
+
+    from sglang_eaas.controller.end_state import end_state
+    from sglang_eaas.elastic.switch import layouts
+    from sglang_eaas.membership import connect, current_snapshot
+    from sglang_eaas.model_info import MoeModelInfo
+    from sglang_eaas.protocol.operations import DONE, FINAL
+    from sglang_eaas.routing_table import uncovered
+    from sglang_eaas.tools import rebalance, scale, switch  # their main(), in threads
+
+    running = pd_deployment
+    token = os.environ["SGLANG_EAAS_TOKEN"]
+    monitor = running.table["monitor"][0]
+    fronts = [running.table["prefill-0"][0], running.table["decode-0"][0]]
+    info = MoeModelInfo.from_model_path(MODEL)
+    expected = concurrent_streams(monolithic_trained.url, STREAMS, STREAM_TOKENS)
+    actors, stop = Actors(), threading.Event()
+    rounds, failures, gaps = [], [], []
+
+    def decode():
+        while not stop.is_set():
+            try:
+                rounds.append(concurrent_streams(running.url, STREAMS, STREAM_TOKENS)
+                              == expected)
+            except Exception as exc:  # noqa: BLE001 - every failure is the test's finding
+                failures.append(repr(exc))
+
+    def watch():  # every revision the monitor shows must have a live holder for each expert
+        backend, after = connect(monitor, token), -1
+        try:
+            while not stop.is_set():
+                snapshot = backend.watch(after, 1.0)
+                after = snapshot.revision
+                held = snapshot.holdings(info.fingerprint()).model_experts(info.num_experts)
+                missing = uncovered(held, list(info.moe_layers), info.num_experts)
+                if missing:
+                    gaps.append((snapshot.revision, missing))
+        finally:
+            backend.close()
+
+    def serving() -> list[str]:
+        return [m.id for m in current_snapshot(monitor, token).servers()]
+
+    def admin_actor(name: str, url: str, rng: random.Random):
+        while not stop.is_set():
+            if rng.random() < 0.3:  # out of bounds: refused before anything starts
+                body = rng.choice([{"servers": 1000}, {"servers": 0}, {"servers": 40},
+                                   {"retire": ["127.0.0.1:1"]}])
+                reply = _admin(url, token, body)
+                actors.note(name, str(body), f"http {reply.status_code}")
+                if reply.status_code != 400 or len(reply.json()["error"].splitlines()) != 1:
+                    actors.errors.append(f"{name}: {body} -> {reply.status_code} {reply.text}")
+            else:
+                body = (rng.choice([{"servers": n} for n in (2, 3, 4)]) if rng.random() < 0.7
+                        else {"retire": [rng.choice(serving())], "replace": True})
+                reply = _admin(url, token, body)
+                op = reply.json()
+                actors.note(name, str(body), f"http {reply.status_code}", op.get("id", ""))
+                if reply.status_code == 409:  # one sentence naming the running operation
+                    if "operation" not in op["error"] or "\n" in op["error"]:
+                        actors.errors.append(f"{name}: {body} -> 409 {op}")
+                elif reply.status_code not in (202, 400):  # 400: a bound, as the tier is now
+                    actors.errors.append(f"{name}: {body} -> {reply.status_code} {reply.text}")
+            stop.wait(rng.uniform(0.5, 2.0))
+
+    def tool_actor(name: str, rng: random.Random):
+        while not stop.is_set():
+            kind = rng.choice(["scale", "switch", "rebalance", "autoscale"])
+            try:
+                if kind == "scale":
+                    argv = [rng.choice(fronts), "to", str(rng.choice((2, 3, 4))), "--token",
+                            token, "--timeout", "300"]
+                    code = scale.main(argv)
+                elif kind == "switch":
+                    to = rng.choice(["tp", "ep"])
+                    code = switch.main(["--monitor", monitor, "--model-path", str(MODEL),
+                                        "--token", token, "--to", to,
+                                        *(["--parts", "2"] if to == "tp" else [])])
+                elif kind == "rebalance":
+                    code = rebalance.main(["--monitor", monitor, "--token", token,
+                                           "--state", str(state)])
+                else:
+                    reply = _admin(fronts[1], token, {
+                        "direction": rng.choice(["out", "in"]), "reason": "chaos",
+                        "min_servers": 2, "max_servers": 4, "act": "resize"},
+                        path="/eaas/autoscale")
+                    code = reply.status_code
+            except SystemExit as exc:
+                code = f"exit {exc.code}"
+            except Exception as exc:  # noqa: BLE001 - a tool must not raise
+                actors.errors.append(f"{name} {kind}: {exc!r}")
+                code = "raised"
+            actors.note(name, kind, str(code))
+            stop.wait(rng.uniform(0.5, 2.0))
+
+    def killer():  # a switch's driver SIGKILLed mid-switch
+        stop.wait(CHAOS_SECONDS / 3)
+        while not stop.is_set():
+            now = layouts(current_snapshot(monitor, token).holdings(info.fingerprint()), info)
+            to = "ep" if 2 in now.values() else "tp"
+            driver = subprocess.Popen(
+                [sys.executable, "-m", "sglang_eaas.tools.switch", "--monitor", monitor,
+                 "--model-path", str(MODEL), "--to", to, "--wait", "60",
+                 *(["--parts", "2"] if to == "tp" else [])],
+                env={**os.environ, "SGLANG_EAAS_OPERATION_LEASE": "3"},
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for line in driver.stdout:
+                if line.startswith("MoE layer "):
+                    driver.kill()
+                    actors.note("killer", f"switch to {to}", "killed")
+                    driver.wait()
+                    return
+            driver.wait()
+            actors.note("killer", f"switch to {to}", f"ended {driver.returncode} first")
+
+    state = tmp_path / "rebalance-state.json"
+    threads = [threading.Thread(target=decode), threading.Thread(target=watch),
+               threading.Thread(target=admin_actor, args=("prefill admin", fronts[0],
+                                                          random.Random(1))),
+               threading.Thread(target=admin_actor, args=("decode admin", fronts[1],
+                                                          random.Random(2))),
+               threading.Thread(target=tool_actor, args=("tools", random.Random(3))),
+               threading.Thread(target=tool_actor, args=("more tools", random.Random(4))),
+               threading.Thread(target=killer)]
+    for t in threads:
+        t.start()
+    try:
+        stop.wait(CHAOS_SECONDS)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(600)
+    capsys.readouterr()  # the tools' output
+    # the history, as the monitor recorded it (newest first there)
+    backend = connect(monitor, token)
+    try:
+        listed = backend.operations("", 256)
+    finally:
+        backend.close()
+    history = sorted(listed.operations, key=lambda r: r.epoch)
+    summary = [(r.id, r.kind, r.state, r.result[:80]) for r in history]
+    assert not listed.holder, f"an operation still holds the tier: {listed.holder}"
+    assert all(r.state in FINAL for r in history), summary
+    own = [r for r in history if "lease lapsed" not in r.result]
+    for before, after in zip(own, own[1:]):
+        assert before.finished_at <= after.started_at + 0.05, (before, after)
+    recovered = [r for r in history if "lease lapsed" in r.result]
+    assert ("killer", "switch to tp", "killed") in actors.outcomes or (
+        "killer", "switch to ep", "killed") in actors.outcomes, actors.outcomes[-5:]
+    assert recovered and all(r.requester.startswith("tools.switch") for r in recovered), summary
+    assert sum(r.state == DONE for r in history) >= 5, summary
+    assert actors.count("http 409") >= 2, actors.outcomes  # they did come at once
+    assert actors.count("http 400") >= 3
+    assert not actors.errors, actors.errors[:3]
+    # every operation (of the latest the monitor keeps) is readable from either instance
+    kept = {r.id for r in history}
+    for op_id in [i for i in actors.op_ids if i in kept][-20:]:
+        records = [_admin(front, token, path=f"/eaas/operations/{op_id}").json()
+                   for front in fronts]
+        assert records[0] == records[1] and records[0].get("state") in FINAL, records
+    # the requests
+    assert not failures, failures[:3]
+    assert len(rounds) >= 2 and all(rounds), rounds
+    assert not gaps, gaps[:3]
+    # the tier ends as the last operation read it back
+    last = history[-1]
+    now = end_state(current_snapshot(monitor, token), info.fingerprint())
+    assert now["holdings"] == last.end["holdings"], (last, now)
+    if last.state == DONE and last.kind == "resize":
+        assert len(now["active"]) == last.target["servers"], (last, now)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from hf_reference import assert_matches_hf
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
 from sglang_eaas.elastic.plan import PlanError, moved, resize_holdings
-from sglang_eaas.elastic.resize import Resizer, ResizeError, active_and_standby
+from sglang_eaas.elastic.resize import Resizer, ResizeError
 from sglang_eaas.holdings import AdapterExpert, Holdings, ServerHoldings
 from sglang_eaas.launcher.local_servers import LocalLauncher, start_local_servers
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
@@ -164,7 +164,7 @@ def test_scale_out_then_in_while_serving(tier, info, hf_experts):
         out = resizer.resize(4)
         assert out.before == 2 and out.after == 4 and len(out.started) == 2 and not out.lost
         assert out.moved > 0 and out.from_peer == out.moved and out.from_disk == 0
-        active, standby = active_and_standby(monitor.registry.snapshot())
+        active, standby = monitor.registry.snapshot().active_and_standby()
         assert sorted(active) == sorted([s.address for s in servers] + out.started)
         for address in out.started:  # filled over the fabric: mapped, or read one-sidedly
             counters = probe(address, TOKEN).counters
@@ -192,7 +192,7 @@ def test_a_server_killed_mid_fill_is_replaced_then_without_spare_rolled_back(
     (adds come before drops), though requests sent to the killed server may fail over."""
     monitor, servers, launcher, client = tier
     spares = launcher.start(2)
-    wait_until(lambda: len(active_and_standby(monitor.registry.snapshot())[1]) == 2, 30,
+    wait_until(lambda: len(monitor.registry.snapshot().active_and_standby()[1]) == 2, 30,
                "two standby servers")
     killed: list[str] = []
 
@@ -212,15 +212,59 @@ def test_a_server_killed_mid_fill_is_replaced_then_without_spare_rolled_back(
         stepping.wait(2)
         killed.clear()
         spares[:] = [s for s in launcher.start(1)]
-        wait_until(lambda: len(active_and_standby(monitor.registry.snapshot())[1]) == 1, 30,
+        wait_until(lambda: len(monitor.registry.snapshot().active_and_standby()[1]) == 1, 30,
                    "a standby server")
         out = resizer.resize(4)
         assert killed and out.lost == killed and out.rolled_back and out.after == 3
         stepping.wait(2)
-    active, _ = active_and_standby(monitor.registry.snapshot())
+    active, _ = monitor.registry.snapshot().active_and_standby()
     assert len(active) == 3
     with pytest.raises(ResizeError, match="no standby server and no launcher"):
         resizer.resize(4)
+
+
+class _FailingFirst:
+    """A launcher whose first start fails as a server that exits before it answers does (a
+    bad flag), then starts servers as ``launcher`` does; it records each start's count."""
+
+    def __init__(self, launcher: LocalLauncher):
+        self.launcher, self.counts = launcher, []
+
+    def start(self, count: int) -> list[str]:
+        self.counts.append(count)
+        if len(self.counts) == 1:
+            broken = LocalLauncher(self.launcher.model_path, self.launcher.monitor, "float32",
+                                   4, ("--no-such-flag",), stdout=self.launcher.stdout)
+            return broken.start(count)
+        return self.launcher.start(count)
+
+    def stop(self, address: str) -> None:
+        self.launcher.stop(address)
+
+    def exited(self, addresses: list[str]) -> bool:
+        return self.launcher.exited(addresses)
+
+
+def test_a_scale_out_starts_servers_in_batches_and_again_after_a_failed_start(
+        tier, info, hf_experts, monkeypatch):
+    """2 -> 5 with batches of 2: a batch that fails to start is started again, then the rest;
+    every sum stays transformers'."""
+    from sglang_eaas.elastic import resize
+
+    monkeypatch.setattr(resize, "LAUNCH_BATCH", 2)
+    monitor, servers, launcher, client = tier
+    flaky = _FailingFirst(launcher)
+    said: list[str] = []
+    resizer = Resizer(monitor.address, TOKEN, info.num_experts, flaky, grace=0.3,
+                      say=said.append)
+    with Stepping(client, info, hf_experts) as stepping:
+        stepping.wait(1)
+        out = resizer.resize(5)
+        assert flaky.counts == [2, 2, 1] and len(out.started) == 3 and out.after == 5
+        assert any("starting 2 expert servers failed" in line and "trying again" in line
+                   for line in said), said
+        stepping.wait(2)
+    assert len(monitor.registry.snapshot().active_and_standby()[0]) == 5
 
 
 @pytest.mark.parametrize("tier", [REPLICATED], indirect=True)
@@ -249,7 +293,7 @@ def test_a_source_killed_mid_fill_is_read_around_and_replaced(tier, info, hf_exp
         first = probe(out.started[0], TOKEN).counters  # its next read from it: fabric, then
         assert first["fabric_fallbacks"] >= 1 and first["replica_fetch_fallbacks"] >= 1
         stepping.wait(2)
-    active, _ = active_and_standby(monitor.registry.snapshot())
+    active, _ = monitor.registry.snapshot().active_and_standby()
     assert sorted(active) == sorted([a for a in processes if a not in killed] + out.started)
     held = monitor.registry.snapshot().holdings()
     for layer in info.moe_layers:  # every expert still on two live servers

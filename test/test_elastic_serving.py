@@ -87,6 +87,22 @@ def test_admin_api_refusals(server):
     assert missing.status_code == 404
     assert scale.main([server.url, "to", "2", "--id", "same"]) == 0  # already 2: a no-op
     assert scale.main([server.url, "to", "3", "--id", "same"]) == 1  # that id asked for 2
+    # out of bounds: refused before anything starts, in one sentence (the tiny top-4 model's
+    # 16 experts, held once: at most 16 servers hold something)
+    for body, why in [({"servers": 1000}, "984 servers would hold nothing"),
+                      ({"servers": 17}, "1 servers would hold nothing"),
+                      ({"retire": ["127.0.0.1:1"]}, "do not serve in the tier"),
+                      ({"servers": 3, "colour": "red"}, "the body is"),
+                      ({"servers": 3, "id": "no spaces"}, "an operation id is")]:
+        reply = requests.post(url, json=body, headers={TOKEN_HEADER: TOKEN}, timeout=30)
+        assert reply.status_code == 400 and why in reply.json()["error"], (body, reply.text)
+        assert "\n" not in reply.json()["error"]
+    tier = _tier(server)
+    assert len(tier["active"]) == 2 and tier["max_servers"] == 16
+    listed = requests.get(f"{server.url}/eaas/operations", headers={TOKEN_HEADER: TOKEN},
+                          timeout=30).json()
+    assert [op["id"] for op in listed["operations"]][:1] == ["same"]
+    assert listed["operations"][0]["state"] == "done" and not listed["holder"]
 
 
 def test_the_autoscaler_scales_out_under_a_load_step_and_in_when_it_ends():

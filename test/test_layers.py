@@ -20,6 +20,7 @@ LAYERS = (
     {"routing_table", "endpoint"},
     {"esft", "balance", "membership"},  # policies over Holdings; reaching a monitor
     {"elastic"},  # resizing the live tier (over balance's apply and a monitor)
+    {"controller"},  # the tier controller: every change as one operation (over elastic)
     {"config"},  # the --eaas options and their record, checked before anything starts
     {"cores"},
     {"client", "expert_server", "monitor", "status"},  # the processes' roles, side by side

@@ -569,7 +569,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                      args.eaas_esft_max_experts, args.eaas_esft_replicas or 1)
     cfg = replace(cfg, autoscale=autoscale_settings(args), layout=layout_settings(args),
                   max_servers=getattr(args, "eaas_max_servers", None))
-    from sglang_eaas.controller.controller import lease_ttl
+    from sglang_eaas.protocol.operations import lease_ttl
 
     lease_ttl()  # SGLANG_EAAS_OPERATION_LEASE, refused now rather than at the first operation
     if args.eaas_placement is None and not cfg.esft_adapters:

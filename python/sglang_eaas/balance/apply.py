@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from sglang_eaas.balance.placer import Move, moves
-from sglang_eaas.controller.lease import NO_FENCE, Fence
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.protocol.control import AddExperts, DropExperts, call
+from sglang_eaas.protocol.operations import NO_FENCE, Fence
 
 
 @dataclass

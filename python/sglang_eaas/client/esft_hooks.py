@@ -82,12 +82,31 @@ def init_lora_manager(init: Callable, model_runner: Any) -> None:
                            "servers, so there is nothing for ESFT adapters to replace")
     info = client.info
     monitor = client.tier.settings.monitor
-    controller = (TierController(monitor, client.tier.token(),
-                                 requester_name("ESFT adapters of SGLang"))
-                  if monitor else None)
     registrar = Registrar(client, client.tier.token(), cfg.adapter_slots(info.num_experts),
-                          cfg.esft_replicas,
-                          orchestrate=get_tp_group().rank_in_group == 0, controller=controller)
+                          cfg.esft_replicas, orchestrate=get_tp_group().rank_in_group == 0,
+                          operation=_operations(TierController(
+                              monitor, client.tier.token(),
+                              requester_name("ESFT adapters of SGLang"))) if monitor else None)
     model_runner.lora_manager = EsftManager(client.esft, registrar,
                                             cfg.adapter_budget(info.num_experts),
                                             get_lora().lora_paths)
+
+
+def _operations(controller, wait: float = 60.0):
+    """The registrar's ``operation``: ``body(fence, held)`` as an operation of ``controller``
+    (waiting up to ``wait`` seconds for one holding the tier); ``AdapterError`` unless done."""
+    from ibgda import TransportError
+    from sglang_eaas.controller.controller import Busy, Ended
+    from sglang_eaas.esft.adapter import AdapterError
+    from sglang_eaas.protocol.operations import DONE
+
+    def run(kind: str, target: dict, body) -> None:
+        try:
+            record = controller.run(kind, target, lambda held: Ended(body(held.fence, held)),
+                                    wait=wait)
+        except (Busy, TransportError) as exc:
+            raise AdapterError(f"ESFT adapter {target['adapter']}: {exc}") from None
+        if record.state != DONE:
+            raise AdapterError(record.result)
+
+    return run

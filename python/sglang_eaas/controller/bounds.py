@@ -2,10 +2,10 @@
 (``Refusal``), checked by the front end that takes the request (HTTP 400, exit status 1 or 2)
 and again by the driver once it holds the lease (the tier may have changed meanwhile).
 
-* a resize: at least one server, no layer in TP (resizes place whole experts: switch to EP
-  first), at most what the placement can use (every active server must hold something in every
-  MoE layer: ``placement_limit``) and at most ``--eaas-max-servers``; a scale-out needs standby
-  servers or a launcher for the servers it adds;
+* a resize or a rebalance: no layer in TP (they place whole experts: switch to EP first);
+* a resize: at least one server, at most what the placement can use (every active server must
+  hold something in every MoE layer: ``placement_limit``) and at most ``--eaas-max-servers``;
+  a scale-out needs standby servers or a launcher for the servers it adds;
 * a retirement: named servers that serve in the tier, and a tier left with one active server;
 * a switch: a model some server serves, parts the group can hold and the experts can be cut
   into (``elastic/switch.py`` checks them: ``SwitchError``).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from sglang_eaas.controller.end_state import active_and_standby, layouts_of
+from sglang_eaas.controller.end_state import layouts_of
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.protocol.monitor import Snapshot
 
@@ -42,6 +42,15 @@ def placement_limit(holdings: Holdings, num_experts: int) -> int:
     return fewest if fewest is not None else num_experts
 
 
+def check_whole_experts(holdings: Holdings, num_experts: int, what: str) -> None:
+    """``Refusal`` where a MoE layer is in TP: ``what`` (a resize, a rebalance) places whole
+    experts."""
+    tp = sorted(layer for layer, parts in layouts_of(holdings, num_experts).items() if parts > 1)
+    if tp:
+        raise Refusal(f"MoE layers {tp} are in TP and {what} places whole experts: switch "
+                      "them to EP first (python -m sglang_eaas.tools.switch --to ep)")
+
+
 def check_resize(servers: int, snapshot: Snapshot, fingerprint: str | None, num_experts: int,
                  max_servers: int | None, launcher: bool, retire: Sequence[str] = ()) -> None:
     """``Refusal`` unless a resize to ``servers`` active servers (``retire`` leaving) can be
@@ -51,10 +60,7 @@ def check_resize(servers: int, snapshot: Snapshot, fingerprint: str | None, num_
     holdings = snapshot.holdings(fingerprint)
     if not holdings:
         raise Refusal("no expert server of the tier serves this model")
-    tp = sorted(layer for layer, parts in layouts_of(holdings, num_experts).items() if parts > 1)
-    if tp:
-        raise Refusal(f"MoE layers {tp} are in TP and a resize places whole experts: switch "
-                      "them to EP first (python -m sglang_eaas.tools.switch --to ep)")
+    check_whole_experts(holdings, num_experts, "a resize")
     limit = placement_limit(holdings, num_experts)
     if servers > limit:
         raise Refusal(f"{servers} active expert servers are more than the placement can use: "
@@ -63,7 +69,7 @@ def check_resize(servers: int, snapshot: Snapshot, fingerprint: str | None, num_
     if max_servers is not None and servers > max_servers:
         raise Refusal(f"{servers} active expert servers are more than --eaas-max-servers "
                       f"{max_servers}")
-    active, standby = active_and_standby(snapshot, fingerprint)
+    active, standby = snapshot.active_and_standby(fingerprint)
     if len(retire) > MAX_RETIRE:
         raise Refusal(f"a retirement names at most {MAX_RETIRE} servers, not {len(retire)}")
     unknown = [s for s in retire if s not in active and s not in standby]

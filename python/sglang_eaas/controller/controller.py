@@ -30,12 +30,13 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ibgda import TransportError
-from sglang_eaas import envs
-from sglang_eaas.controller.lease import Fence, LeaseKeeper, LeaseLost
+from sglang_eaas.controller.end_state import read_end_state
+from sglang_eaas.controller.lease import LeaseKeeper
 from sglang_eaas.membership import connect
 from sglang_eaas.protocol.lines import ControlError
 from sglang_eaas.protocol.operations import (
-    DONE, FAILED, LEASE_TTL, ROLLED_BACK, RUNNING, OperationList, OperationRecord,
+    DONE, FAILED, ROLLED_BACK, RUNNING, Fence, LeaseLost, OperationList, OperationRecord,
+    lease_ttl,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,22 +77,6 @@ class Ended:
 
 
 Body = Callable[["Held"], Ended]
-
-
-def lease_ttl() -> float:
-    """The operation lease's ttl: ``SGLANG_EAAS_OPERATION_LEASE`` (1-600 s), else
-    ``LEASE_TTL``; ``ValueError`` (one sentence) for another value."""
-    given = envs.OPERATION_LEASE.get().strip()
-    if not given:
-        return LEASE_TTL
-    try:
-        ttl = float(given)
-    except ValueError:
-        ttl = -1.0
-    if not 1 <= ttl <= 600:
-        raise ValueError(f"{envs.OPERATION_LEASE.name}={given!r}: the operation lease lasts "
-                         "1-600 seconds")
-    return ttl
 
 
 def requester_name(role: str) -> str:
@@ -162,8 +147,15 @@ class Held:
             self.controller.say(f"operation {lapsed.id}: {state}: {result}")
 
     def finish(self, state: str, result: str, end: dict | None = None) -> OperationRecord:
-        """Record the end (which gives the lease back)."""
+        """Record the end (which gives the lease back), with the tier's end state as the
+        monitor shows it where the driver did not read it back (a failure)."""
         self.keeper.stop()
+        if not end:
+            try:
+                end = read_end_state(self.controller.monitor, self.controller.token,
+                                     self.record.target.get("fingerprint"))
+            except (TransportError, ControlError, ValueError):
+                end = {}
         record = self.record.ended(state, result, end, time.time())
         record = replace(record, epoch=self.fence.epoch)
         try:

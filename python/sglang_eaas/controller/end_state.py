@@ -6,35 +6,32 @@ from __future__ import annotations
 
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.membership import current_snapshot
-from sglang_eaas.protocol.monitor import SERVING, Snapshot
+from sglang_eaas.protocol.monitor import Snapshot
 from sglang_eaas.routing_table import lenient_table
 
 
-def active_and_standby(snapshot: Snapshot, fingerprint: str | None = None
-                       ) -> tuple[list[str], list[str]]:
-    """The serving servers that hold experts (or parts), and those that hold none (standby)."""
-    active, standby = [], []
-    for m in snapshot.servers(fingerprint):
-        if m.status == SERVING:
-            (active if m.holdings.holds_any() else standby).append(m.id)
-    return active, standby
+def layers_of(holdings: Holdings) -> list[int]:
+    """Every MoE layer some server holds whole experts or parts of (or names), sorted."""
+    return sorted({*holdings.layers(), *(layer for held in holdings.values()
+                                         for layer in held.parts)})
 
 
 def layouts_of(holdings: Holdings, num_experts: int) -> dict[int, int]:
     """MoE layer -> the parts its experts are routed in (1: EP), as clients would route them."""
-    layers = list(holdings.layers())
+    layers = layers_of(holdings)
     table = lenient_table(holdings, layers, num_experts)
     return {layer: table.parts(layer) for layer in layers}
 
 
 def end_state(snapshot: Snapshot, fingerprint: str | None) -> dict:
     """``{"holdings": digest, "active": [...], "standby": [...], "layouts": {layer: parts},
-    "missing": {layer: [experts]}}`` of the serving servers of ``fingerprint``'s model."""
+    "missing": {layer: [experts]}}`` of the serving servers of ``fingerprint``'s model (the
+    digest over the active ones: a standby server registering changes no holdings)."""
     servers = snapshot.servers(fingerprint)
-    holdings = snapshot.holdings(fingerprint)
+    active, standby = snapshot.active_and_standby(fingerprint)
+    holdings = snapshot.holdings(fingerprint).only(active)
     num_experts = max((m.num_experts for m in servers), default=0)
-    active, standby = active_and_standby(snapshot, fingerprint)
-    layers = list(holdings.layers())
+    layers = layers_of(holdings)
     table = lenient_table(holdings, layers, num_experts) if layers else None
     return {"holdings": holdings.digest(), "active": sorted(active),
             "standby": sorted(standby),

@@ -1,12 +1,6 @@
-"""A driver's hold on the tier's operation lease: the epoch its changes carry, and a thread
-that keeps the lease alive (docs/elastic.md, "The tier controller").
-
-``Fence`` is what drivers take (``balance/apply.py``, ``elastic/resize.py``,
-``elastic/switch.py``, ``esft/registrar.py``): every holdings change they send an expert server
-carries ``fence.epoch``, and they call ``fence.check()`` between steps, which raises
-``LeaseLost`` once the keeper lost the lease. ``NO_FENCE`` (epoch 0) is for changes made outside
-the controller (tests, and a server's own start-up): servers accept them whatever epoch they
-have seen.
+"""The thread that keeps a driver's operation lease alive (docs/elastic.md, "The tier
+controller"), and loses its ``Fence`` (``protocol/operations.py``: the epoch the driver's
+changes carry) when it cannot.
 
 ``LeaseKeeper`` renews every quarter of the lease's ttl. A renewal refused or unanswered is
 followed by a reclaim (the monitor restarted and lost the lease, or it lapsed with nobody
@@ -24,38 +18,10 @@ from typing import Callable
 from ibgda import TransportError
 from sglang_eaas.membership.base import MonitorBackend
 from sglang_eaas.protocol.lines import Refused
-from sglang_eaas.protocol.operations import OperationRecord
+from sglang_eaas.protocol.operations import Fence, OperationRecord
 
 logger = logging.getLogger(__name__)
 UNREACHABLE = 3  # ttls without reaching the monitor before the lease counts as lost
-
-
-class LeaseLost(RuntimeError):
-    """The operation lease lapsed or was taken over: the operation must stop changing the
-    tier (expert servers refuse its older epoch once a newer holder changed them)."""
-
-
-class Fence:
-    """The epoch a driver's holdings changes carry, and whether its lease still holds."""
-
-    def __init__(self, epoch: int = 0):
-        self.epoch = epoch
-        self._lost = ""
-
-    def check(self) -> None:
-        """``LeaseLost`` once the lease is lost."""
-        if self._lost:
-            raise LeaseLost(self._lost)
-
-    def lose(self, why: str) -> None:
-        self._lost = why or "the operation lease was lost"
-
-    @property
-    def lost(self) -> str:
-        return self._lost
-
-
-NO_FENCE = Fence()
 
 
 class LeaseKeeper:

@@ -26,8 +26,7 @@ from typing import Callable
 
 from ibgda import TransportError
 from sglang_eaas.balance.apply import apply_placement
-from sglang_eaas.controller.end_state import active_and_standby, read_end_state
-from sglang_eaas.controller.lease import Fence
+from sglang_eaas.controller.end_state import read_end_state
 from sglang_eaas.elastic.resize import Resizer, ResizeError
 from sglang_eaas.elastic.switch import EP, TP, Switcher, SwitchError
 from sglang_eaas.holdings import Holdings
@@ -37,7 +36,7 @@ from sglang_eaas.protocol.control import DropExperts, call
 from sglang_eaas.protocol.lines import ControlError
 from sglang_eaas.protocol.operations import (
     ADAPTER_LOAD, ADAPTER_UNLOAD, DONE, FAILED, REBALANCE, RESIZE, RESTART, RETIRE,
-    ROLLED_BACK, SWITCH, OperationRecord, read_tier,
+    ROLLED_BACK, SWITCH, Fence, OperationRecord, read_tier,
 )
 
 Say = Callable[[str], None]
@@ -59,8 +58,7 @@ def _resize(target: dict, monitor: str, token: str, fence: Fence, say: Say) -> t
         return FAILED, NOT_BEGUN
     resizer = Resizer(monitor, token, target["num_experts"], None, target.get("fingerprint"),
                       say=say)
-    active, standby = active_and_standby(current_snapshot(monitor, token),
-                                         target.get("fingerprint"))
+    active, standby = current_snapshot(monitor, token).active_and_standby(target.get("fingerprint"))
     retire = [s for s in target.get("retire", ()) if s in active or s in standby]
     try:
         done = resizer.resize(target["servers"], retire, fence, settle=True)

@@ -38,13 +38,12 @@ from typing import Callable, Protocol, Sequence
 
 from ibgda import TransportError
 from sglang_eaas.balance.apply import Applied, apply_placement
-from sglang_eaas.controller.end_state import active_and_standby
-from sglang_eaas.controller.lease import NO_FENCE, Fence
 from sglang_eaas.elastic.plan import moved, resize_holdings
 from sglang_eaas.holdings import Holdings, ServerHoldings
 from sglang_eaas.membership import current_snapshot
 from sglang_eaas.protocol.control import Drain, call, probe
 from sglang_eaas.protocol.monitor import Snapshot
+from sglang_eaas.protocol.operations import NO_FENCE, Fence
 
 logger = logging.getLogger(__name__)
 ATTEMPTS = 3  # placements tried when servers are lost mid-resize; starts of one batch
@@ -115,7 +114,7 @@ class Resizer:
         return current_snapshot(self.monitor, self.token)
 
     def active(self) -> list[str]:
-        return active_and_standby(self.snapshot(), self.fingerprint)[0]
+        return self.snapshot().active_and_standby(self.fingerprint)[0]
 
     def resize(self, servers: int, retire: Sequence[str] = (), fence: Fence = NO_FENCE,
                settle: bool = False) -> Resized:
@@ -128,7 +127,7 @@ class Resizer:
             self.fence = fence
             began = time.monotonic()
             snapshot = self.snapshot()
-            active, standby = active_and_standby(snapshot, self.fingerprint)
+            active, standby = snapshot.active_and_standby(self.fingerprint)
             serving = set(active) | set(standby)
             unknown = [s for s in retire if s not in serving]
             if unknown:
@@ -170,7 +169,7 @@ class Resizer:
         active servers (``servers`` unless rolled back), none of ``retire`` serving."""
         deadline = time.monotonic() + 10.0
         while True:
-            active, standby = active_and_standby(self.snapshot(), self.fingerprint)
+            active, standby = self.snapshot().active_and_standby(self.fingerprint)
             still = [s for s in retire if s in active or s in standby]
             if len(active) == done.after and not still:
                 return
@@ -199,7 +198,7 @@ class Resizer:
                 newcomers = [s for s in newcomers if s not in lost]
                 try:
                     newcomers += self._newcomers(servers - len(active) - len(newcomers), [
-                        s for s in active_and_standby(self.snapshot(), self.fingerprint)[1]
+                        s for s in self.snapshot().active_and_standby(self.fingerprint)[1]
                         if s not in newcomers and s not in done.lost], done)
                 except ResizeError as why:
                     self.say(f"resize: no server to take the lost ones' place ({why}); "
@@ -239,14 +238,14 @@ class Resizer:
             done.started += started
             self.say(f"resize: started {', '.join(started)}; waiting for them to register")
             deadline = time.monotonic() + REGISTER_TIMEOUT
-            while set(started) - set(active_and_standby(self.snapshot(), self.fingerprint)[1]):
+            while set(started) - set(self.snapshot().active_and_standby(self.fingerprint)[1]):
                 if time.monotonic() > deadline or self._exited(started):
                     break
                 time.sleep(0.2)
             else:
                 return started
-            missing = sorted(set(started) - set(active_and_standby(
-                self.snapshot(), self.fingerprint)[1]))
+            standby = self.snapshot().active_and_standby(self.fingerprint)[1]
+            missing = sorted(set(started) - set(standby))
             why = f"started expert servers {missing} did not register"
             for server in started:  # the batch goes, and is started again
                 self.launcher.stop(server)
@@ -351,7 +350,7 @@ class Resizer:
             self.fence = fence
             began = time.monotonic()
             snapshot = self.snapshot()
-            active, standby = active_and_standby(snapshot, self.fingerprint)
+            active, standby = snapshot.active_and_standby(self.fingerprint)
             self._replicas_of = snapshot.holdings(self.fingerprint)
             back = [s for s in before if s in active or s in standby]
             done = Resized(len(active), len(active))

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ibgda import TransportError
-from sglang_eaas.controller.lease import NO_FENCE, Fence
 from sglang_eaas.slices import Part
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.membership import current_snapshot
@@ -40,6 +39,7 @@ from sglang_eaas.protocol.control import (
     AddExperts, AddParts, DropExperts, DropParts, Stats, call,
 )
 from sglang_eaas.protocol.lines import Refused
+from sglang_eaas.protocol.operations import NO_FENCE, Fence
 from sglang_eaas.routing_table import RoutingTable
 
 EP, TP = "ep", "tp"

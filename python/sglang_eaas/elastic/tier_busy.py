@@ -16,7 +16,6 @@ from typing import Callable
 
 from ibgda import TransportError
 from sglang_eaas.elastic.autoscaler import TierBusy
-from sglang_eaas.controller.end_state import active_and_standby
 from sglang_eaas.protocol.monitor import Snapshot
 
 logger = logging.getLogger(__name__)
@@ -39,7 +38,7 @@ class TierBusySampler:
             logger.debug("the expert servers' utilisation is unknown: %s", exc)
             return None
         now = self.clock()
-        active = set(active_and_standby(snapshot, self.fingerprint)[0])
+        active = set(snapshot.active_and_standby(self.fingerprint)[0])
         busy = {m.id: int(m.load.get("busy_us", 0)) for m in snapshot.servers(self.fingerprint)
                 if m.id in active}
         before, at = self._busy, self._at

@@ -20,11 +20,12 @@ pause (up to ``PLACE_ATTEMPTS`` times); an adapter already published keeps its i
 Unloading drops the experts this registrar placed (``drop_experts`` with ``force``: they are
 their adapter's only copies by design; the servers free them after a grace period).
 
-With a tier controller (a monitor: every SGLang with ``--eaas``), a placement and an unload
-are each an operation (``adapter-load``, ``adapter-unload``): they wait up to ``timeout`` for
-another operation holding the tier, look again for the adapter once they hold it (another
-instance may have placed it meanwhile), record the placement they plan before they make it
-(so a successor can roll back one cut short), and carry the lease's epoch.
+With a tier controller (a monitor: every SGLang with ``--eaas``; the client's hook gives the
+registrar its ``operation``), a placement and an unload are each an operation (``adapter-load``,
+``adapter-unload``): they wait up to ``timeout`` for another operation holding the tier, look
+again for the adapter once they hold it (another instance may have placed it meanwhile),
+record the placement they plan before they make it (so a successor can roll back one cut
+short), and carry the lease's epoch.
 """
 
 from __future__ import annotations
@@ -36,17 +37,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ibgda import TransportError
-from sglang_eaas.controller.lease import NO_FENCE, Fence
 from sglang_eaas.esft.adapter import AdapterError, EsftAdapter
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.protocol.control import AddExperts, DropExperts, call
 from sglang_eaas.protocol.lines import ControlError, Refused
-from sglang_eaas.protocol.operations import ADAPTER_LOAD, ADAPTER_UNLOAD, DONE, tier_message
+from sglang_eaas.protocol.operations import (
+    ADAPTER_LOAD, ADAPTER_UNLOAD, NO_FENCE, Fence, tier_message,
+)
 from sglang_eaas.routing_table import RoutingTable
 
 if TYPE_CHECKING:
     from sglang_eaas.client.client import EaasClient
-    from sglang_eaas.controller.controller import Held, TierController
+    from sglang_eaas.controller.controller import Held
+
+    Body = Callable[[Fence, "Held | None"], str]  # an operation's work: what it did
+    Operation = Callable[[str, dict, Body], None]
 
 logger = logging.getLogger(__name__)
 POLL = 0.05  # seconds between looks at the routing table while waiting for it
@@ -74,28 +79,20 @@ class Registrar:
     def __init__(self, client: "EaasClient", token: str, slots: int, replicas: int = 1,
                  timeout: float = 60.0, orchestrate: bool = True,
                  say: Callable[[str], None] = logger.info,
-                 controller: "TierController | None" = None):
+                 operation: "Operation | None" = None):
+        """``operation(kind, target, body)``: runs ``body(fence, held)`` as an operation of
+        the tier controller and raises ``AdapterError`` unless it is done (the client's hook
+        gives it, ``client/esft_hooks.py``); None: the changes are made as they are."""
         self.client, self.token, self.slots, self.replicas = client, token, slots, replicas
         self.timeout, self.orchestrate, self.say = timeout, orchestrate, say
-        self.controller = controller
+        self.operation = operation
         self.info = client.info
 
-    def _operation(self, kind: str, target: dict, body: Callable[[Fence, "Held | None"], str]
-                   ) -> None:
-        """``body`` as an operation of the tier controller (without one: as it is); its
-        failure as ``AdapterError``."""
-        if self.controller is None:
+    def _operation(self, kind: str, target: dict, body: "Body") -> None:
+        if self.operation is None:
             body(NO_FENCE, None)
-            return
-        from sglang_eaas.controller.controller import Busy, Ended
-
-        try:
-            record = self.controller.run(kind, target, lambda held: Ended(
-                body(held.fence, held)), wait=self.timeout)
-        except (Busy, TransportError) as exc:
-            raise AdapterError(f"ESFT adapter {target['adapter']}: {exc}") from None
-        if record.state != DONE:
-            raise AdapterError(record.result)
+        else:
+            self.operation(kind, target, body)
 
     # -- load -------------------------------------------------------------------------------
     def register(self, name: str, adapter: EsftAdapter) -> Registered:

@@ -58,7 +58,7 @@ from sglang_eaas.controller.bounds import Refusal, check_resize, placement_limit
 from sglang_eaas.controller.controller import (
     Busy, Ended, Held, Known, RolledBack, TierController, requester_name,
 )
-from sglang_eaas.controller.end_state import active_and_standby, read_end_state
+from sglang_eaas.controller.end_state import read_end_state
 from sglang_eaas.elastic.autoscaler import ACTS
 from sglang_eaas.elastic.resize import Resizer
 from sglang_eaas.launcher.local_servers import LocalLauncher
@@ -89,7 +89,7 @@ class TierAdmin:
         """The operation's kind and target for a request (``replace``: a retirement keeps the
         active count where standby servers can take the retired ones' place); ``Refusal`` out
         of bounds."""
-        active, standby = active_and_standby(self.resizer.snapshot(), self.resizer.fingerprint)
+        active, standby = self.resizer.snapshot().active_and_standby(self.resizer.fingerprint)
         if servers is None:
             staying = len([s for s in active if s not in retire])
             spare = len([s for s in standby if s not in retire])
@@ -121,7 +121,7 @@ class TierAdmin:
     def decide(self, decision: dict[str, Any]) -> dict[str, Any]:
         """The autoscaler's decision: the desired count, and a resize where it acts."""
         snapshot = self.resizer.snapshot()
-        active = len(active_and_standby(snapshot, self.resizer.fingerprint)[0])
+        active = len(snapshot.active_and_standby(self.resizer.fingerprint)[0])
         step = 1 if decision["direction"] == "out" else -1
         high = min(decision["max_servers"], self.max_servers or decision["max_servers"],
                    placement_limit(snapshot.holdings(self.resizer.fingerprint),
@@ -149,7 +149,7 @@ class TierAdmin:
 
     def tier(self) -> dict[str, Any]:
         snapshot = self.resizer.snapshot()
-        active, standby = active_and_standby(snapshot, self.resizer.fingerprint)
+        active, standby = snapshot.active_and_standby(self.resizer.fingerprint)
         held = snapshot.holdings(self.resizer.fingerprint)
         listed = self.controller.operations(1)
         current = listed.running() or (listed.operations[0] if listed.operations else None)

@@ -274,7 +274,9 @@ class Channel:
         try:
             reply = json.loads(line)
         except ValueError:
-            raise TransportError(f"{self.peer} {self.address} sent a malformed reply") from None
+            raise TransportError(f"{self.peer} {self.address} sent a malformed reply "
+                                 f"({shown(line.strip()[:40])}): is it an sglang-eaas "
+                                 f"{self.peer}?") from None
         if not isinstance(reply, dict):
             raise TransportError(f"{self.peer} {self.address} sent a malformed reply")
         if not reply.get("ok"):

@@ -129,6 +129,16 @@ class Snapshot(Message):
     def clients(self) -> list[Member]:
         return [m for m in self.members if m.kind == CLIENT]
 
+    def active_and_standby(self, fingerprint: str | None = None
+                           ) -> tuple[list[str], list[str]]:
+        """The serving servers (of ``fingerprint``'s model) that hold experts or parts, and
+        those that hold none (standby)."""
+        active, standby = [], []
+        for m in self.servers(fingerprint):
+            if m.status == SERVING:
+                (active if m.holdings.holds_any() else standby).append(m.id)
+        return active, standby
+
     def holdings(self, fingerprint: str | None = None) -> Holdings:
         """What the serving servers (of the model ``fingerprint``, if given) hold, in the
         snapshot's order: the one way from a snapshot to the tier's ``Holdings``."""

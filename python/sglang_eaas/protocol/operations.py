@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sglang_eaas import envs
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.protocol.lines import (
     ControlError, Message, Request, check_fields, holdings_fields, read_holdings, shown,
@@ -45,6 +46,54 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 MAX_TEXT = 2048  # characters of a requester, result or progress line
 TOKEN_HEADER = "X-Eaas-Token"  # the admin API's HTTP header carrying the tier's token
 LEASE_TTL = 10.0  # seconds an operation lease lasts without a renewal (renewed every quarter)
+
+
+def lease_ttl() -> float:
+    """The operation lease's ttl: ``SGLANG_EAAS_OPERATION_LEASE`` (1-600 s), else
+    ``LEASE_TTL``; ``ValueError`` (one sentence) for another value."""
+    given = envs.OPERATION_LEASE.get().strip()
+    if not given:
+        return LEASE_TTL
+    try:
+        ttl = float(given)
+    except ValueError:
+        ttl = -1.0
+    if not 1 <= ttl <= 600:
+        raise ValueError(f"{envs.OPERATION_LEASE.name}={given!r}: the operation lease lasts "
+                         "1-600 seconds")
+    return ttl
+
+
+class LeaseLost(RuntimeError):
+    """The operation lease lapsed or was taken over: the operation must stop changing the
+    tier (expert servers refuse its older epoch once a newer holder changed them)."""
+
+
+class Fence:
+    """What a driver's holdings changes carry: the epoch of the operation lease they are sent
+    under (``epoch`` on every change), and whether the lease still holds (``check`` between
+    steps raises ``LeaseLost`` once the lease keeper lost it). ``NO_FENCE`` (epoch 0) is for
+    changes made outside the tier controller (tests, a server's own start): servers take them
+    whatever epoch they have seen."""
+
+    def __init__(self, epoch: int = 0):
+        self.epoch = epoch
+        self._lost = ""
+
+    def check(self) -> None:
+        """``LeaseLost`` once the lease is lost."""
+        if self._lost:
+            raise LeaseLost(self._lost)
+
+    def lose(self, why: str) -> None:
+        self._lost = why or "the operation lease was lost"
+
+    @property
+    def lost(self) -> str:
+        return self._lost
+
+
+NO_FENCE = Fence()
 
 
 def check_id(op_id: str) -> None:

@@ -36,13 +36,14 @@ from sglang_eaas.balance.server_load import (Counters, Since, default_state_path
                                              measured_ratio, read_counters, read_state, since,
                                              write_state)
 from sglang_eaas.client.load_recorder import DEFAULT_WINDOW_STEPS
+from sglang_eaas.controller.bounds import Refusal, check_whole_experts
 from sglang_eaas.controller.controller import (
-    Busy, Ended, Held, lease_ttl, TierController, requester_name,
+    Busy, Ended, Held, TierController, requester_name,
 )
 from sglang_eaas.controller.end_state import read_end_state
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.protocol.lines import ControlError
-from sglang_eaas.protocol.operations import DONE, REBALANCE, tier_message
+from sglang_eaas.protocol.operations import DONE, REBALANCE, lease_ttl, tier_message
 from sglang_eaas.membership import connect, parse_monitor
 from sglang_eaas.placement import PlacementError
 from sglang_eaas.routing_table import lenient_table
@@ -280,6 +281,7 @@ def one_pass(monitor, history: LoadHistory, remembered: Remembered, args, token:
     if not decided.moves:
         say("rebalance: the placement stays as it is")
         return
+    check_whole_experts(current, got.num_experts, "the balancer")
     if args.dry_run:
         say(f"rebalance: --dry-run: {len(decided.moves)} changes not made")
         return
@@ -287,6 +289,7 @@ def one_pass(monitor, history: LoadHistory, remembered: Remembered, args, token:
     def body(held: Held) -> Ended:
         nonlocal decided
         now, _ = tier_holdings(monitor.watch(-1, 0.0))
+        check_whole_experts(now, got.num_experts, "the balancer")
         if now != decided.current:  # the tier changed since the plan: plan again on it
             say("rebalance: the tier changed since the plan; planning again on it")
             decided = plan(now, load, layers, args.slots or default_slots(now, got.num_experts),
@@ -334,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
-    except (TransportError, PlacementError, ValueError, ControlError, Busy) as exc:
+    except (TransportError, PlacementError, ValueError, ControlError, Busy, Refusal) as exc:
         print(f"rebalance: error: {exc}", file=sys.stderr)
         return 1
 

@@ -61,7 +61,10 @@ def request(url: str, token: str, api_key: str, body: dict | None = None,
     except (TimeoutError, socket.timeout):
         raise AdminError(f"{url} did not answer within {timeout:.0f}s: is it SGLang's HTTP "
                          "port (--port), started with --eaas?") from None
-    except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
+    except http.client.HTTPException as exc:  # something answered, not in HTTP
+        raise AdminError(f"{url} does not answer in HTTP ({type(exc).__name__}): is it "
+                         "SGLang's HTTP port (--port), started with --eaas?") from None
+    except (urllib.error.URLError, OSError) as exc:
         why = getattr(exc, "reason", None) or exc
         if isinstance(why, (TimeoutError, socket.timeout)):
             raise AdminError(f"{url} did not answer within {timeout:.0f}s: is it SGLang's HTTP "

@@ -24,13 +24,12 @@ from dataclasses import asdict
 from ibgda import TransportError
 from sglang_eaas import envs
 from sglang_eaas.controller.controller import (
-    Busy, Ended, Held, lease_ttl, Known, RolledBack, TierController, requester_name,
+    Busy, Ended, Held, Known, RolledBack, TierController, requester_name,
 )
 from sglang_eaas.controller.end_state import read_end_state
-from sglang_eaas.controller.lease import LeaseLost
 from sglang_eaas.elastic.switch import LAYOUTS, SWITCH_GRACE, Switcher, SwitchError, layouts
 from sglang_eaas.protocol.lines import ControlError
-from sglang_eaas.protocol.operations import DONE, SWITCH
+from sglang_eaas.protocol.operations import DONE, SWITCH, LeaseLost, lease_ttl
 from sglang_eaas.membership import parse_monitor
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 from sglang_eaas.placement import PlacementError, parse_expert_list
