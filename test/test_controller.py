@@ -277,6 +277,43 @@ def test_a_driver_killed_mid_switch_is_finished_by_the_next_operation(top4, back
         log.close()
 
 
+def test_a_resize_cut_short_that_cannot_be_finished_is_rolled_back(top4, tcp_monitor):
+    """A resize 2 -> 3 whose driver died after filling part of the standby server, which then
+    died too: the next operation cannot finish it (no standby server, no launcher), so it
+    places the tier back over the two servers active before, and says so."""
+    path, info = top4
+    url = tcp_monitor.address
+    log = open_log("controller-rollback")
+    a, b = start_local_servers(path, [list(range(8)), list(range(8, 16))], "float32",
+                               max_clients=2, extra_args=("--monitor", url), stdout=log)
+    (spare,) = start_local_servers(path, [{}], "float32", max_clients=2,
+                                   extra_args=("--standby", "--monitor", url), stdout=log)
+    try:
+        wait_until(lambda: {a.address, b.address, spare.address} <= {
+            m.id for m in current_snapshot(url, TOKEN).servers()}, 30, "registration")
+        layer = info.moe_layers[0]
+        dead = _controller(url, "resizer").acquire("resize", {
+            "servers": 3, "fingerprint": info.fingerprint(), "num_experts": info.num_experts})
+        dead.note(_before=[a.address, b.address])
+        call(spare.address, AddExperts(layer, [0, 8], epoch=dead.fence.epoch), TOKEN, 30)
+        dead.keeper.stop()  # the driver dies
+        dead.backend.close()
+        spare.stop()  # and so does the server it was filling
+        wait_until(lambda: spare.address not in {
+            m.id for m in current_snapshot(url, TOKEN).servers()}, 30, "the spare's loss")
+        nxt = _controller(url, "next").run("rebalance", {}, lambda h: Ended("mine"))
+        assert nxt.state == DONE
+        (record,) = [r for r in _history(url) if r.id == dead.id]
+        assert record.state == "rolled_back" and record.result.startswith("rolled back: ")
+        assert record.end["active"] == sorted([a.address, b.address]), record.end
+        held = current_snapshot(url, TOKEN).holdings(info.fingerprint())
+        assert sorted(held.holders(layer)) == list(range(16))  # every expert still held
+    finally:
+        for server in (a, b, spare):
+            server.stop()
+        log.close()
+
+
 # -- bounds and bad inputs ----------------------------------------------------------------------
 def _snapshot(holdings: dict, standby: int = 0, experts: int = 24) -> Snapshot:
     members = [Member(SERVER, s, "h", 1, num_experts=experts, fingerprint="f",

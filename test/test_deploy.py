@@ -362,6 +362,29 @@ def test_an_expert_server_killed_during_pd_serving_loses_no_request_and_comes_ba
     assert concurrent_streams(running.url, STREAMS[:2], STREAM_TOKENS) == expected[:2]
 
 
+@pytest.mark.slow
+@pytest.mark.cpu_only  # SGLang with --device cpu
+def test_the_tools_fail_within_seconds_given_each_others_ports(pd_deployment, capsys):
+    """SGLang's HTTP port given to ``tools.switch`` as the monitor, the monitor's given to
+    ``tools.scale`` as SGLang's: one sentence each, within a few seconds."""
+    from sglang_eaas.tools import scale, switch
+
+    token = os.environ["SGLANG_EAAS_TOKEN"]
+    decode = pd_deployment.table["decode-0"][0]
+    monitor = pd_deployment.table["monitor"][0]
+    began = time.monotonic()
+    assert switch.main(["--monitor", decode.removeprefix("http://"), "--model-path",
+                        str(MODEL), "--to", "tp", "--token", token]) == 1
+    err = capsys.readouterr().err
+    assert time.monotonic() - began < 10 and err.count("\n") == 1, err
+    assert "did not answer within 5s" in err or "not an sglang-eaas monitor" in err, err
+    began = time.monotonic()
+    assert scale.main([f"http://{monitor}", "to", "3", "--token", token]) == 1
+    err = capsys.readouterr().err
+    assert time.monotonic() - began < 10 and err.count("\n") == 1, err
+    assert "SGLang's HTTP port" in err, err
+
+
 CHAOS_SECONDS = 100  # how long the actors change the tier at once
 
 

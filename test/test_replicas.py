@@ -254,6 +254,25 @@ def test_a_client_that_never_learns_of_a_drop(servers, client_of, info, hf_exper
                                                     before.get("failovers", 0) + 1), stats
     back = client.table.holdings.get(servers[2].address)  # None: not joined again yet
     assert back is None or list(back[layer]) == [6, 7], back
+    # Back-to-back changes: the table adopted after a refusal can be newer for another change
+    # and still route to the server that refused. Its second refusal is waited out as the
+    # first (a newer table, else the server is dropped), never an error of the step.
+    client = client_of(servers, "refused-twice", monitor="", result_timeout=1.0)
+    layer = info.moe_layers[1]
+    freed = probe(servers[2].address, TOKEN).weight_bytes
+    call(servers[2].address, DropExperts(layer, [0, 1], grace=0.0), TOKEN)
+    wait_until(lambda: probe(servers[2].address, TOKEN).weight_bytes < freed, 10,
+               "the rows freed")
+    real, asked = client._adopt_newer, []
+
+    def stale_once(layer_id: int, sent_with: int) -> bool:
+        asked.append(sent_with)
+        return True if len(asked) == 1 else real(layer_id, sent_with)
+
+    client._adopt_newer = stale_once
+    out, failed = one_step(client, layer, x, ids, w)
+    assert_matches_hf(out, hf_experts, layer, x, ids, w)
+    assert not failed and len(asked) == 2, asked
 
 
 def test_the_balancer_replicates_a_hot_expert(servers, client_of, monitor, info, hf_experts,

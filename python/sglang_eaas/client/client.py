@@ -338,9 +338,12 @@ class EaasClient:
                 try:
                     result = slot.result()
                 except Rejected as exc:
-                    if exc.reason not in NOT_HELD or conn in handle.refused:
+                    if exc.reason not in NOT_HELD:
                         raise TransportError(f"expert server {conn.address}: {exc}") from None
-                    handle.refused.add(conn)  # its holdings changed: the entries go again
+                    # its holdings changed: the entries go again by a newer table. Again if
+                    # that one still has it holding them (a view newer for another change,
+                    # made before the monitor had this one's: under back-to-back operations),
+                    # each time a newer table; none within the result timeout: it is lost
                     if not self._adopt_newer(handle.layer_id, handle.epoch):
                         self._lose(conn, f"refused MoE layer {handle.layer_id}'s experts "
                                    f"({exc.reason.name}) and no newer table came", report=False)

@@ -48,4 +48,3 @@ class Dispatched:
     step: int = 1  # rows per chunk (the servers' max_tokens when dispatched)
     chunk: Chunk | None = None
     sent: list[Sent] = field(default_factory=list)
-    refused: set[ServerConnection] = field(default_factory=set)  # said they hold no longer

@@ -56,7 +56,8 @@ def check_resize(servers: int, snapshot: Snapshot, fingerprint: str | None, num_
     """``Refusal`` unless a resize to ``servers`` active servers (``retire`` leaving) can be
     made on the tier of ``snapshot``."""
     if type(servers) is not int or servers < 1:
-        raise Refusal(f"a tier keeps at least one active expert server; {servers!r} asked")
+        raise Refusal(f"a tier keeps at least one active expert server: servers must be >= 1, "
+                      f"not {servers!r}")
     holdings = snapshot.holdings(fingerprint)
     if not holdings:
         raise Refusal("no expert server of the tier serves this model")

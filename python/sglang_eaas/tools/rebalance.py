@@ -53,7 +53,8 @@ SERVERS, CLIENTS = "servers", "clients"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sglang_eaas.tools.rebalance",
-                                description=__doc__.split("\n\n")[1].replace("``", ""))
+                                description=__doc__.split("\n\n")[1].replace("``", ""),
+                                epilog=__doc__.split("\n\n")[2].replace("``", ""))
     p.add_argument("--monitor", required=True, metavar="ADDR",
                    help="the tier's monitor: HOST:PORT (an --eaas-monitor embedded:HOST:PORT "
                    "or python -m sglang_eaas.monitor) or etcd://HOST:PORT")

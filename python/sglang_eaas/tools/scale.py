@@ -34,7 +34,7 @@ import uuid
 
 from sglang_eaas import envs
 from sglang_eaas.addresses import AddressError, parse_address
-from sglang_eaas.protocol.operations import FINAL, TOKEN_HEADER
+from sglang_eaas.protocol.operations import FINAL, TOKEN_HEADER, check_id
 
 FIRST_CONTACT = 5.0  # seconds SGLang has to answer the first call
 
@@ -170,6 +170,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--replace goes with 'retire', without --servers")
     if not 0 <= args.wait <= 600:
         p.error(f"--wait is 0-600 seconds, got {args.wait}")
+    if args.id:
+        try:
+            check_id(args.id)
+        except ValueError as exc:
+            p.error(f"--id: {exc}")
     args.token = envs.TOKEN.get() if args.token is None else args.token
     if not args.token:
         p.error(f"the admin API needs the tier's token: pass --token or set {envs.TOKEN.name}")

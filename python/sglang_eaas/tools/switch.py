@@ -29,7 +29,7 @@ from sglang_eaas.controller.controller import (
 from sglang_eaas.controller.end_state import read_end_state
 from sglang_eaas.elastic.switch import LAYOUTS, SWITCH_GRACE, Switcher, SwitchError, layouts
 from sglang_eaas.protocol.lines import ControlError
-from sglang_eaas.protocol.operations import DONE, SWITCH, LeaseLost, lease_ttl
+from sglang_eaas.protocol.operations import DONE, SWITCH, LeaseLost, check_id, lease_ttl
 from sglang_eaas.membership import parse_monitor
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 from sglang_eaas.placement import PlacementError, parse_expert_list
@@ -37,7 +37,8 @@ from sglang_eaas.placement import PlacementError, parse_expert_list
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, MoeModelInfo]:
     p = argparse.ArgumentParser(prog="python -m sglang_eaas.tools.switch",
-                                description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+                                description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                epilog=__doc__.split("\n\n")[2].replace("``", ""))
     p.add_argument("--monitor", required=True, metavar="ADDR",
                    help="the tier's monitor: HOST:PORT (an --eaas-monitor embedded:HOST:PORT "
                    "or python -m sglang_eaas.monitor) or etcd://HOST:PORT")
@@ -70,6 +71,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, MoeModelInfo
     args = p.parse_args(argv)
     if not 0 <= args.wait <= 3600:
         p.error(f"--wait is 0-3600 seconds, got {args.wait}")
+    if args.id:
+        try:
+            check_id(args.id)
+        except ControlError as exc:
+            p.error(f"--id: {exc}")
     try:
         lease_ttl()
     except ValueError as exc:
