@@ -385,7 +385,7 @@ def test_the_tools_fail_within_seconds_given_each_others_ports(pd_deployment, ca
     assert "SGLang's HTTP port" in err, err
 
 
-CHAOS_SECONDS = 100  # how long the actors change the tier at once
+CHAOS_SECONDS = 90  # how long the actors change the tier at once
 
 
 class Actors:

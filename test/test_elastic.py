@@ -156,13 +156,46 @@ class Stepping:
         assert not self.errors, self.errors[0]
 
 
-def test_scale_out_then_in_while_serving(tier, info, hf_experts):
+class _FailingFirst:
+    """A launcher whose first start fails as a server that exits before it answers does (a
+    bad flag), then starts servers as ``launcher`` does; it records each start's count."""
+
+    def __init__(self, launcher: LocalLauncher):
+        self.launcher, self.counts = launcher, []
+
+    def start(self, count: int) -> list[str]:
+        self.counts.append(count)
+        if len(self.counts) == 1:
+            broken = LocalLauncher(self.launcher.model_path, self.launcher.monitor, "float32",
+                                   4, ("--no-such-flag",), stdout=self.launcher.stdout)
+            return broken.start(count)
+        return self.launcher.start(count)
+
+    def stop(self, address: str) -> None:
+        self.launcher.stop(address)
+
+    def exited(self, addresses: list[str]) -> bool:
+        return self.launcher.exited(addresses)
+
+
+def test_scale_out_then_in_while_serving(tier, info, hf_experts, monkeypatch):
+    """2 -> 4 -> 2 under a client checking every sum; the scale-out starts its servers one
+    batch at a time (batches of 1 here), and its first start fails (a server that exits before
+    it answers): that batch is started again."""
+    from sglang_eaas.elastic import resize
+
+    monkeypatch.setattr(resize, "LAUNCH_BATCH", 1)
     monitor, servers, launcher, client = tier
-    resizer = Resizer(monitor.address, TOKEN, info.num_experts, launcher, grace=0.3)
+    flaky, said = _FailingFirst(launcher), []
+    resizer = Resizer(monitor.address, TOKEN, info.num_experts, flaky, grace=0.3,
+                      say=said.append)
     with Stepping(client, info, hf_experts) as stepping:
         stepping.wait(2)
         out = resizer.resize(4)
         assert out.before == 2 and out.after == 4 and len(out.started) == 2 and not out.lost
+        assert flaky.counts == [1, 1, 1], flaky.counts
+        assert any("starting 1 expert servers failed" in line and "trying again" in line
+                   for line in said), said
         assert out.moved > 0 and out.from_peer == out.moved and out.from_disk == 0
         active, standby = monitor.registry.snapshot().active_and_standby()
         assert sorted(active) == sorted([s.address for s in servers] + out.started)
@@ -221,50 +254,6 @@ def test_a_server_killed_mid_fill_is_replaced_then_without_spare_rolled_back(
     assert len(active) == 3
     with pytest.raises(ResizeError, match="no standby server and no launcher"):
         resizer.resize(4)
-
-
-class _FailingFirst:
-    """A launcher whose first start fails as a server that exits before it answers does (a
-    bad flag), then starts servers as ``launcher`` does; it records each start's count."""
-
-    def __init__(self, launcher: LocalLauncher):
-        self.launcher, self.counts = launcher, []
-
-    def start(self, count: int) -> list[str]:
-        self.counts.append(count)
-        if len(self.counts) == 1:
-            broken = LocalLauncher(self.launcher.model_path, self.launcher.monitor, "float32",
-                                   4, ("--no-such-flag",), stdout=self.launcher.stdout)
-            return broken.start(count)
-        return self.launcher.start(count)
-
-    def stop(self, address: str) -> None:
-        self.launcher.stop(address)
-
-    def exited(self, addresses: list[str]) -> bool:
-        return self.launcher.exited(addresses)
-
-
-def test_a_scale_out_starts_servers_in_batches_and_again_after_a_failed_start(
-        tier, info, hf_experts, monkeypatch):
-    """2 -> 5 with batches of 2: a batch that fails to start is started again, then the rest;
-    every sum stays transformers'."""
-    from sglang_eaas.elastic import resize
-
-    monkeypatch.setattr(resize, "LAUNCH_BATCH", 2)
-    monitor, servers, launcher, client = tier
-    flaky = _FailingFirst(launcher)
-    said: list[str] = []
-    resizer = Resizer(monitor.address, TOKEN, info.num_experts, flaky, grace=0.3,
-                      say=said.append)
-    with Stepping(client, info, hf_experts) as stepping:
-        stepping.wait(1)
-        out = resizer.resize(5)
-        assert flaky.counts == [2, 2, 1] and len(out.started) == 3 and out.after == 5
-        assert any("starting 2 expert servers failed" in line and "trying again" in line
-                   for line in said), said
-        stepping.wait(2)
-    assert len(monitor.registry.snapshot().active_and_standby()[0]) == 5
 
 
 @pytest.mark.parametrize("tier", [REPLICATED], indirect=True)
