@@ -156,6 +156,8 @@ def test_a_server_refuses_a_change_from_an_older_epoch(top4, tcp_monitor):
     (server,) = start_local_servers(path, [list(range(8))], "float32", max_clients=2,
                                     extra_args=("--monitor", tcp_monitor.address), stdout=log)
     try:
+        wait_until(lambda: server.address in {
+            m.id for m in tcp_monitor.registry.snapshot().servers()}, 30, "registration")
         layer = info.moe_layers[0]
         call(server.address, AddExperts(layer, [8], epoch=5), TOKEN, 30)
         with pytest.raises(Refused) as stale:

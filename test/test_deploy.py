@@ -78,6 +78,10 @@ REFUSED = [
     (config(expert_servers={"count": 40}), "expert_servers.count: 40 servers for 32 experts"),
     (config(expert_servers={"count": 2, "standby": -1}),
      "expert_servers.standby: must be a whole number of standby servers, 0-64, got -1"),
+    (config(monitor="127.0.0.1:7100", monitor_args=["--loss-timeout", "2"]),
+     "monitor_args: only a standalone monitor (monitor: standalone) is started"),
+    (config(monitor_args=["--listen", "127.0.0.1:1"]),
+     "monitor_args: --listen is set by the deployment itself; remove it"),
     (config(expert_servers={"count": 2, "placement": "p.yaml"}),
      "expert_servers: give one of count, placement and experts, not count and placement"),
     (config(expert_servers={"experts": ["0-15", "16-30"]}),
@@ -298,8 +302,11 @@ def pd_deployment(tmp_path_factory):
     user starts it; SIGKILLed at the end if a test left it running."""
     tmp = tmp_path_factory.mktemp("pd")
     path = tmp / "pd.yaml"
+    # the monitor's loss timeout 3 s: a member falsely lost on a late heartbeat (the 2 cores
+    # are saturated here) is not what these tests are about
     path.write_text(yaml.safe_dump(config(expert_servers={"count": 2, "replicas": 2,
-                                                          "standby": 2})))
+                                                          "standby": 2},
+                                          monitor_args=["--loss-timeout", "3"])))
     command = subprocess.Popen(
         [sys.executable, "-m", "sglang_eaas.deploy", str(path), "--log-dir", str(tmp / "logs")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

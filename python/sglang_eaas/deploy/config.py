@@ -9,7 +9,7 @@ current directory. The format is ``FORMAT`` below, which ``--help`` prints.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -31,6 +31,7 @@ FORMAT = """\
 model: models/tiny-moe-stdlib    # checkpoint folder (required)
 monitor: standalone              # standalone | etcd | HOST:PORT | etcd://HOST:PORT (an existing
                                  #   one); default standalone
+monitor_args: ["--loss-timeout", "2"]  # more flags of a standalone monitor
 expert_servers:                  # one of count, placement, experts; default count: 2
   count: 2                       #   N servers, experts spread evenly ...
   replicas: 1                    #   ... each expert on this many of them (default 1)
@@ -57,6 +58,7 @@ STANDALONE = "standalone"
 MAX_STANDBY = 64  # expert_servers.standby at most
 # Flags the deployment sets itself, per list of arguments, and what to write instead.
 OWN_FLAGS = {
+    "monitor_args": {"--listen": None, "--token": "the SGLANG_EAAS_TOKEN environment variable"},
     "expert_servers.args": {
         "--model-path": "model", "--experts": "expert_servers", "--layer-experts":
         "expert_servers.placement", "--listen": "expert_servers.placement (HOST:PORT keys)",
@@ -84,6 +86,7 @@ class DeployConfigError(ValueError):
 class MonitorPlan:
     kind: str  # STANDALONE | ETCD (started here) | "existing"
     url: str | None = None  # an existing monitor's HOST:PORT or etcd://HOST:PORT
+    args: tuple[str, ...] = ()  # more flags of a standalone monitor (monitor_args)
 
 
 @dataclass(frozen=True)
@@ -149,12 +152,12 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
     if not isinstance(data, dict):
         raise DeployConfigError(f"{source}: must be a mapping with at least 'model', got "
                                 f"{_kind(data)}")
-    top = _fields("", data, {"model", "monitor", "expert_servers", "sglang", "router"},
-                  required=("model",))
+    top = _fields("", data, {"model", "monitor", "monitor_args", "expert_servers", "sglang",
+                             "router"}, required=("model",))
     model = _model(top["model"])
     sglang = _sglang(top.get("sglang", {}))
     if not sglang.eaas:
-        for key in ("monitor", "expert_servers"):
+        for key in ("monitor", "monitor_args", "expert_servers"):
             if key in top:
                 raise DeployConfigError(f"{key}: sglang.eaas is false, so no {key} is used; "
                                         "remove it or set sglang.eaas: true")
@@ -162,6 +165,11 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
     else:
         info = _model_info(model)
         monitor = _monitor(top.get("monitor", STANDALONE))
+        if "monitor_args" in top:
+            if monitor.kind != STANDALONE:
+                raise DeployConfigError("monitor_args: only a standalone monitor (monitor: "
+                                        "standalone) is started by the deployment")
+            monitor = replace(monitor, args=_args("monitor_args", top["monitor_args"]))
         servers, expert_args = _expert_servers(top.get("expert_servers", {}), info)
     return DeployConfig(model, monitor, servers, expert_args, sglang,
                         _router(top.get("router", {})), source)

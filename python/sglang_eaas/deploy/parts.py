@@ -47,8 +47,8 @@ def monitor_child(cfg: DeployConfig, ports: Ports, logs: Path, etcd_dir: Path | 
     assert cfg.monitor is not None
     if cfg.monitor.kind == STANDALONE:
         address = f"{HOST}:{ports.pick()}"
-        return Child("monitor", [PYTHON, "-m", "sglang_eaas.monitor", "--listen", address],
-                     address, logs / "monitor.log"), address
+        return Child("monitor", [PYTHON, "-m", "sglang_eaas.monitor", "--listen", address,
+                                 *cfg.monitor.args], address, logs / "monitor.log"), address
     if cfg.monitor.kind == ETCD:
         assert etcd_dir is not None
         client, peer = ports.pick(), ports.pick()

@@ -111,8 +111,11 @@ class TierAdmin:
         retire = list(target.get("retire", ()))
         self._check(target["servers"], retire)
         held.note(_before=self.resizer.active())
-        self.resizer.say = held.progress
-        done = self.resizer.resize(target["servers"], retire, held.fence)
+        said, self.resizer.say = self.resizer.say, held.progress
+        try:
+            done = self.resizer.resize(target["servers"], retire, held.fence)
+        finally:
+            self.resizer.say = said
         end = read_end_state(self.resizer.monitor, self.resizer.token, self.resizer.fingerprint)
         if done.rolled_back:
             raise RolledBack(done.summary(), end)
