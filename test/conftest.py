@@ -64,6 +64,17 @@ def two_hosts():
         yield hosts
 
 
+@pytest.fixture(scope="module")
+def etcd(request):
+    """A one-member etcd cluster on loopback for the module (``etcd://HOST:PORT``: ``.url``),
+    logging to .cache/logs/test/etcd-MODULE.log."""
+    from sglang_eaas.tools.etcd_process import EtcdProcess
+
+    module = request.module.__name__.removeprefix("test_")
+    with EtcdProcess(CACHE / "logs" / "test" / f"etcd-{module}.log") as process:
+        yield process
+
+
 def open_log(name: str):
     """A fresh log file .cache/logs/test/NAME.log for processes a test starts."""
     path = CACHE / "logs" / "test" / f"{name}.log"

@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from conftest import CACHE, model_path, open_log
+from conftest import model_path, open_log
 from hf_reference import hf_routed_experts
 from sglang_eaas.addresses import accepts, free_port
 from sglang_eaas.checkpoint import ModelIdentity
@@ -37,7 +37,6 @@ from sglang_eaas.protocol.lines import Refused
 from sglang_eaas.protocol.monitor import SERVER, Member, Snapshot
 from sglang_eaas.protocol.operations import DONE, FAILED, FINAL
 from sglang_eaas.tools import scale, switch
-from sglang_eaas.tools.etcd_process import EtcdProcess
 from sglang_eaas.tools.make_tiny_model import PRESETS
 from test_switch import Steps
 from tier_steps import wait_until
@@ -52,12 +51,6 @@ def tcp_monitor():
     monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=2.0)).start()
     yield monitor
     monitor.close()
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    with EtcdProcess(CACHE / "logs" / "test" / "etcd-controller.log") as process:
-        yield process
 
 
 @pytest.fixture(params=["tcp", "etcd"])
@@ -242,7 +235,7 @@ def test_a_driver_killed_mid_switch_is_finished_by_the_next_operation(top4, back
                             monitor=url, heartbeat=0.2)
         steps = Steps(client, info, hf_routed_experts(path))
         steps.start()
-        wait_until(lambda: steps.steps >= 2, 30, "steps before the switch")
+        steps.more(2, "steps before the switch")
         driver = subprocess.Popen([*tool, "--to", "tp", "--parts", "2"], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         first = f"MoE layer {info.moe_layers[0]}: TP"
@@ -265,12 +258,8 @@ def test_a_driver_killed_mid_switch_is_finished_by_the_next_operation(top4, back
         _check_serialised([killed, finished])
         assert layouts(current_snapshot(url, TOKEN).holdings(), info) == {
             layer: 1 for layer in info.moe_layers}
-        at = steps.steps
-        wait_until(lambda: steps.steps >= at + 2, 30, "steps after the switches")
-        steps.stop.set()
-        steps.join(30)
-        assert not steps.errors, steps.errors[:3]
-        assert not steps.failed
+        steps.more(2, "steps after the switches")
+        steps.finish()
     finally:
         if client is not None:
             client.close()

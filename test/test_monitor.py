@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from conftest import CACHE, open_log
+from conftest import open_log
 from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.membership import connect
@@ -19,7 +19,6 @@ from sglang_eaas.membership.presence import Presence
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 from sglang_eaas.protocol.lines import Channel, Refused
 from sglang_eaas.protocol.monitor import CLIENT, DRAINING, Member, Register
-from sglang_eaas.tools.etcd_process import EtcdProcess
 
 from ibgda import TransportError
 
@@ -33,12 +32,6 @@ def tcp_monitor():
     monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=LOSS)).start()
     yield monitor
     monitor.close()
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    with EtcdProcess(CACHE / "logs" / "test" / "etcd-monitor.log") as process:
-        yield process
 
 
 @pytest.fixture(params=["tcp", "etcd"])

@@ -93,6 +93,18 @@ class Steps(threading.Thread):
                 self.failed += list(self.client.end_step().values())
             self.steps += 1
 
+    def more(self, count: int, what: str) -> None:
+        """Wait for ``count`` more steps."""
+        at = self.steps
+        wait_until(lambda: self.steps >= at + count, 30, what)
+
+    def finish(self) -> None:
+        """Stop stepping; no step may have failed a row or differed from transformers'."""
+        self.stop.set()
+        self.join(30)
+        assert not self.errors, self.errors[:3]
+        assert not self.failed
+
 
 def _rows(address: str, layer: int, experts: list[int]):
     stats = call(address, Stats(), TOKEN, 10)
@@ -187,16 +199,11 @@ def test_a_server_killed_mid_switch_leaves_the_survivors_to_complete_it(top4):
         held = switcher.holdings()
         assert d.address not in held or not held[d.address].parts.get(layers[-1])
         assert layouts(held, info) == {layer: 2 for layer in layers}
-        tp_steps = steps.steps
-        wait_until(lambda: steps.steps >= tp_steps + 3, 30, "steps in TP without D")
+        steps.more(3, "steps in TP without D")
         switcher.switch(layers, "ep", survivors)
         assert layouts(switcher.holdings(), info) == {layer: 1 for layer in layers}
-        ep_steps = steps.steps
-        wait_until(lambda: steps.steps >= ep_steps + 3, 30, "steps in EP again")
-        steps.stop.set()
-        steps.join(30)
-        assert not steps.errors, steps.errors[:3]
-        assert not steps.failed
+        steps.more(3, "steps in EP again")
+        steps.finish()
     finally:
         if client is not None:
             client.close()

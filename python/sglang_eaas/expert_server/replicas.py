@@ -61,6 +61,12 @@ class Replicas:
         self._change = threading.Lock()  # one add or drop at a time
         self._retirer: threading.Thread | None = None
 
+    def frozen(self) -> threading.Lock:
+        """Held, no holdings change is made (``with replicas.frozen(): ...``): a registration
+        says what the server holds and the monitor checks it against the server, so nothing
+        may change in between."""
+        return self._change
+
     # -- add --------------------------------------------------------------------------------
     def add(self, request: AddExperts) -> HoldingsChange:
         if request.adapter:

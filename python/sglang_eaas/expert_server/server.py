@@ -154,7 +154,7 @@ class ExpertServer:
         self.exports = WeightExports(self.held, self.address)
         self._stop = threading.Event()
         self.tick = time.monotonic()  # the serving loop's last pass (``healthy``)
-        self.tier = None  # expert_server.tier.ServerTier once registered with a monitor
+        self.tier = None  # expert_server.tier.ServerTier, with a monitor
         self.fill_threads = fill_threads(config)
         self.replicas = Replicas(self)  # holdings changed while serving
         self.epoch = 0  # the newest operation lease epoch obeyed (``obey``)
@@ -411,7 +411,8 @@ class ExpertServer:
         if self.config.monitor:
             from sglang_eaas.expert_server.tier import ServerTier
 
-            self.tier = ServerTier(self).start()
+            self.tier = ServerTier(self)  # before it registers: changes from then on are said
+            self.tier.start()
 
     def serve_forever(self) -> None:
         """Serve until ``stop()``; between requests, sleep on the doorbell clients ring

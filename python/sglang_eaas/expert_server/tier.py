@@ -49,7 +49,11 @@ class ServerTier:
                                          daemon=True)
 
     def start(self) -> "ServerTier":
-        self.presence.start()
+        """Register (what it holds now: no change is made while the monitor checks it
+        against this server), then follow the tier."""
+        with self.server.replicas.frozen():
+            self.presence.set_holdings(self.server.held.holdings)
+            self.presence.start()
         logger.info("registered with the monitor %s as incarnation %s", self.url,
                     self.presence.incarnation)
         self._watcher.start()

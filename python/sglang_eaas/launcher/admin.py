@@ -64,10 +64,9 @@ from sglang_eaas.elastic.resize import Resizer
 from sglang_eaas.launcher.local_servers import LocalLauncher
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.protocol.lines import ControlError, Refused
-from sglang_eaas.protocol.operations import RESIZE, RETIRE, TOKEN_HEADER, check_id
+from sglang_eaas.protocol.operations import MAX_WAIT, RESIZE, RETIRE, TOKEN_HEADER, check_id
 
 logger = logging.getLogger(__name__)
-MAX_WAIT = 600.0  # seconds a request may wait for the running operation
 
 
 class TierAdmin:

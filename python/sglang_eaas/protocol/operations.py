@@ -45,6 +45,7 @@ KINDS = (RESIZE, RETIRE, SWITCH, REBALANCE, ADAPTER_LOAD, ADAPTER_UNLOAD, RESTAR
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 MAX_TEXT = 2048  # characters of a requester, result or progress line
 TOKEN_HEADER = "X-Eaas-Token"  # the admin API's HTTP header carrying the tier's token
+MAX_WAIT = 600.0  # seconds a request may wait for the operation holding the tier, at most
 LEASE_TTL = 10.0  # seconds an operation lease lasts without a renewal (renewed every quarter)
 
 

@@ -43,7 +43,8 @@ from sglang_eaas.controller.controller import (
 from sglang_eaas.controller.end_state import read_end_state
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.protocol.lines import ControlError
-from sglang_eaas.protocol.operations import DONE, REBALANCE, lease_ttl, tier_message
+from sglang_eaas.protocol.operations import DONE, REBALANCE, tier_message
+from sglang_eaas.tools import operation_flags
 from sglang_eaas.membership import connect, parse_monitor
 from sglang_eaas.placement import PlacementError
 from sglang_eaas.routing_table import lenient_table
@@ -111,10 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-wait", type=float, default=10.0, metavar="S",
                    help="--load clients: seconds the first pass waits for load windows "
                    "(default 10)")
-    p.add_argument("--wait", type=float, default=0.0, metavar="S",
-                   help="if another operation holds the tier (a resize, a switch, ...), wait up "
-                   "to S seconds for it to end (default 0: a one-shot pass is refused naming it, "
-                   "an --interval pass skipped)")
+    operation_flags.add(p, "a one-shot pass is refused naming it, an --interval pass is "
+                        "skipped", with_id=False)
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan, move nothing, and leave the state file as it is (a "
                    "real pass after it plans on the same load)")
@@ -134,12 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"{args.stats_timeout}")
     if not 0 <= args.grace <= 600:
         p.error(f"--grace must be 0-600 seconds, got {args.grace}")
-    if not 0 <= args.wait <= 3600:
-        p.error(f"--wait must be 0-3600 seconds, got {args.wait}")
-    try:
-        lease_ttl()
-    except ValueError as exc:
-        p.error(str(exc))
+    operation_flags.check(p, args)
     if args.state is not None and args.state.is_dir():
         p.error(f"--state {args.state} is a directory; give a file path")
     return args

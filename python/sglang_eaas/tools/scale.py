@@ -34,7 +34,8 @@ import uuid
 
 from sglang_eaas import envs
 from sglang_eaas.addresses import AddressError, parse_address
-from sglang_eaas.protocol.operations import FINAL, TOKEN_HEADER, check_id
+from sglang_eaas.protocol.operations import FINAL, TOKEN_HEADER
+from sglang_eaas.tools import operation_flags
 
 FIRST_CONTACT = 5.0  # seconds SGLang has to answer the first call
 
@@ -128,13 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with 'retire': keep the active count, standby servers taking the "
                    "retired ones' place as far as there are some (what a Kubernetes pod's "
                    "preStop hook asks: deploy/k8s/expert-pool.yaml)")
-    p.add_argument("--id", default="",
-                   help="operation id (1-64 letters, digits, '_.:-'): asking again with the "
-                   "same id returns that operation instead of starting another (default: a "
-                   "fresh one)")
-    p.add_argument("--wait", type=float, default=0.0, metavar="S",
-                   help="if another operation holds the tier, wait up to S seconds for it to "
-                   "end (at most 600; default 0: refused at once, naming it)")
+    operation_flags.add(p, "refused at once, naming it")
     p.add_argument("--no-wait", action="store_true",
                    help="return once the operation has started, without following it")
     p.add_argument("--timeout", type=float, default=600.0,
@@ -168,13 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--servers goes with 'retire' and is >= 1")
     if args.replace and (args.action != "retire" or args.servers is not None):
         p.error("--replace goes with 'retire', without --servers")
-    if not 0 <= args.wait <= 600:
-        p.error(f"--wait is 0-600 seconds, got {args.wait}")
-    if args.id:
-        try:
-            check_id(args.id)
-        except ValueError as exc:
-            p.error(f"--id: {exc}")
+    operation_flags.check(p, args)
     args.token = envs.TOKEN.get() if args.token is None else args.token
     if not args.token:
         p.error(f"the admin API needs the tier's token: pass --token or set {envs.TOKEN.name}")

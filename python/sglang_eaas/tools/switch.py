@@ -29,7 +29,8 @@ from sglang_eaas.controller.controller import (
 from sglang_eaas.controller.end_state import read_end_state
 from sglang_eaas.elastic.switch import LAYOUTS, SWITCH_GRACE, Switcher, SwitchError, layouts
 from sglang_eaas.protocol.lines import ControlError
-from sglang_eaas.protocol.operations import DONE, SWITCH, LeaseLost, check_id, lease_ttl
+from sglang_eaas.protocol.operations import DONE, SWITCH, LeaseLost
+from sglang_eaas.tools import operation_flags
 from sglang_eaas.membership import parse_monitor
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 from sglang_eaas.placement import PlacementError, parse_expert_list
@@ -59,27 +60,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, MoeModelInfo
     p.add_argument("--grace", type=float, default=SWITCH_GRACE,
                    help="seconds a server keeps answering for what it dropped once no request "
                    "used it (default %(default)s)")
-    p.add_argument("--wait", type=float, default=0.0, metavar="S",
-                   help="if another operation holds the tier (a resize, a rebalance, another "
-                   "switch), wait up to S seconds for it to end (default 0: refused at once, "
-                   "naming it)")
-    p.add_argument("--id", default="",
-                   help="operation id (default: a fresh one); the same id again does not start "
-                   "a second switch")
+    operation_flags.add(p, "refused at once, naming it")
     p.add_argument("--token", default=None,
                    help="the tier's shared token (default: $SGLANG_EAAS_TOKEN)")
     args = p.parse_args(argv)
-    if not 0 <= args.wait <= 3600:
-        p.error(f"--wait is 0-3600 seconds, got {args.wait}")
-    if args.id:
-        try:
-            check_id(args.id)
-        except ControlError as exc:
-            p.error(f"--id: {exc}")
-    try:
-        lease_ttl()
-    except ValueError as exc:
-        p.error(str(exc))
+    operation_flags.check(p, args)
     try:
         parse_monitor(args.monitor, embedded_ok=False)
     except ValueError as exc:
