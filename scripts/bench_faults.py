@@ -1,6 +1,8 @@
 """Benchmark: decode throughput of a replicated deployment while expert servers are killed one by
 one (or while replicas are moved between servers, ``--fault replace``), against the same
-deployment without failures (the EaaS paper's Fig. 10 protocol, §5.4, at CPU scale).
+deployment without failures (the EaaS paper's Fig. 10 protocol, §5.4, at CPU scale). With
+``--hog``, instead: the failure detector's table (``bench_lib/detection.py``), detection times
+against false suspicions and losses, quiet and with the cores saturated.
 
 One SGLang server (--eaas, embedded monitor) on the bench checkpoint with N local expert servers,
 each expert on R of them. A closed loop of C concurrent streaming requests runs for D seconds
@@ -19,6 +21,7 @@ issue 12 asks to measure: the longest gap between two decode steps during a re-p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -74,6 +77,24 @@ def parse_args() -> argparse.Namespace:
                    help="tokens per request (ignore_eos); default 256")
     p.add_argument("--bin", type=float, default=0.5,
                    help="seconds per point of the throughput plot; default 0.5")
+    p.add_argument("--hog", type=int, nargs="?", const=2 * (os.cpu_count() or 1), default=None,
+                   metavar="N",
+                   help="instead of the throughput runs, the failure detector's table "
+                   "(bench_lib/detection.py): detection time of kill -9, SIGSTOP and a "
+                   "partition from the monitor against false suspicions and losses, for the "
+                   "one-stage timings of before and today's defaults, quiet and with N busy "
+                   "processes (default: twice the cores) running")
+    p.add_argument("--memory-pressure", type=float, default=0.0, metavar="GB",
+                   help="with --hog: a third condition, the hog plus a process holding and "
+                   "touching this many GB; default none")
+    p.add_argument("--runs", type=int, default=3,
+                   help="with --hog: measurements per timings and condition; default 3")
+    p.add_argument("--window", type=float, default=20.0,
+                   help="with --hog: seconds of serving with no fault per measurement, for "
+                   "the false suspicions and the heartbeats' cadence; default 20")
+    p.add_argument("--tokens", type=int, default=2048,
+                   help="with --hog: rows per step of the stepping client; default 2048, the "
+                   "expert servers' --max-tokens: each server's longest batch")
     p.add_argument("--log-dir", type=Path, default=ROOT / ".cache" / "logs",
                    help="where the server logs go; default .cache/logs")
     p.add_argument("--out", type=Path, default=None,
@@ -83,6 +104,15 @@ def parse_args() -> argparse.Namespace:
                    help="PNG of throughput over time; default: --out with .png (bench_paste "
                    "copies it to docs/img/)")
     args = p.parse_args()
+    if args.hog is not None:
+        if not 1 <= args.hog <= 256 or args.runs < 1 or args.window < 5 or args.tokens < 1:
+            p.error("--hog needs 1-256 processes, --runs >= 1, --window >= 5, --tokens >= 1")
+        if args.memory_pressure < 0:
+            p.error("--memory-pressure must be >= 0 GB")
+        args.out = args.out or default_out("detection")
+        return args
+    if args.memory_pressure:
+        p.error("--memory-pressure applies with --hog")
     args.out = args.out or default_out("replacement" if args.fault == "replace" else "faults")
     args.plot = args.plot or args.out.with_suffix(".png")
     if not 1 <= args.replicas <= args.servers:
@@ -178,10 +208,53 @@ def plot(path: Path, base: Run, faulty: Run, kills: list[float], args) -> None:
     save_figure(fig, path)
 
 
+def detection_study(args, report: Report, model: Path) -> int:
+    """``--hog``: the failure detector's table (bench_lib/detection.py)."""
+    from bench_lib import detection
+    from bench_lib.hog import Hog
+
+    os.environ.setdefault(envs.TOKEN.name, os.urandom(16).hex())
+    conditions = {"quiet": None, f"hog: {args.hog} busy processes": (args.hog, 0.0)}
+    if args.memory_pressure:
+        conditions[f"hog + {args.memory_pressure:g} GB held"] = (args.hog, args.memory_pressure)
+    results: dict[tuple[str, str], list] = {}
+    log_path = args.log_dir / "bench-detection-servers.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    notes = []
+    with open(log_path, "w") as log:
+        for run in range(args.runs):
+            for condition, hog in conditions.items():
+                with (Hog(*hog) if hog else contextlib.nullcontext()):
+                    for timings, values in detection.TIMINGS.items():
+                        say(f"run {run + 1}/{args.runs}, {condition}, {timings}")
+                        measured = detection.measure(model, values, args.window, args.tokens,
+                                                     log)
+                        notes += [f"{timings}, {condition}, run {run + 1}: {n}"
+                                  for n in measured.notes]
+                        results.setdefault((timings, condition), []).append(measured)
+    report.add("\n".join([
+        f"Failure detection (`bench_faults.py --hog`): a TCP monitor, {detection.SERVERS} expert "
+        f"servers on the bench checkpoint (each expert on {detection.REPLICAS}), one behind a "
+        f"relay that is cut for the partition, and an in-process client stepping every MoE "
+        f"layer on {args.tokens} rows; per measurement a {args.window:g} s window with no "
+        f"fault, then kill -9, SIGSTOP (then SIGCONT) and a partition of one server from the "
+        f"monitor alone. Timings are heartbeat / suspect / loss; the client's result timeout "
+        f"is {RESULT_TIMEOUT:g} s. Median [min-max] of {args.runs} runs; every loss in the "
+        f"window is false (nothing failed there):",
+        "", *detection.table(results, args.window), "",
+        "Against the strongest baseline for detection time (the one-stage timings, which drop "
+        "a member soonest), in the same run:", *detection.ratios(results),
+        *(["", "Notes: " + "; ".join(notes)] if notes else [])]))
+    report.save()
+    return 0
+
+
 def main() -> int:
     args = parse_args()
     report = Report(args.out)
     model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
+    if args.hog is not None:
+        return detection_study(args, report, model)
     config = json.loads((model / "config.json").read_text())
     plan = placement(args.servers, args.replicas,
                      MoeModelInfo.from_model_path(model).num_experts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +17,11 @@ os.environ.setdefault("SGLANG_EAAS_TOKEN", "sglang-eaas-test-token")
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
+# the benchmarks' fault tools the tests share: a CPU hog (a neighbour's job on the same cores)
+# and a TCP relay that can be cut (a partition)
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_lib.hog import Hog  # noqa: E402,F401
+from bench_lib.partition import Partition  # noqa: E402,F401
 PROMPTS = (
     "Hello world, the quick brown fox",
     "Expert parallelism routes tokens",

@@ -96,8 +96,8 @@ def options():
     ({"eaas": "yes"}, "eaas takes True or False, got 'yes'"),
     ({"eaas": False}, "eaas_expert_servers only apply with eaas=True; add eaas=True or drop "
                       "them"),
-    ({"eaas_heartbeat": 5}, "eaas_heartbeat 5.0 must be at most half of the loss timeout "
-                            "(0.6s, eaas_loss_timeout)"),
+    ({"eaas_heartbeat": 5}, "eaas_heartbeat 5.0 must be at most half of the suspect timeout "
+                            "(1.0s, eaas_suspect_timeout)"),
     ({"eaas_transport": "carrier-pigeon"}, "eaas_transport: invalid choice: 'carrier-pigeon'"),
     ({"eaas_placement": "/nonexistent/placement.yaml"},
      "eaas_placement: '/nonexistent/placement.yaml' is not a readable file"),

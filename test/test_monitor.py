@@ -4,6 +4,7 @@ registrations that are refused and counted."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,13 +24,32 @@ from sglang_eaas.protocol.monitor import CLIENT, DRAINING, Member, Register
 from ibgda import TransportError
 
 TOKEN = os.environ["SGLANG_EAAS_TOKEN"]
-HEARTBEAT, LOSS = 0.1, 0.4  # the TCP monitor's loss timeout in these tests
-ETCD_LOSS = 1.5  # etcd: a 1 s lease, and expired leases are revoked every 500 ms
+# Shorter than the product's (1 s, 10 s) so that these tests of the mechanism wait less; the
+# failure tests (test_suspicion.py, test_deploy.py) run the defaults.
+HEARTBEAT, SUSPECT, LOSS = 0.1, 0.3, 2.0
+ETCD_LOSS = LOSS + 0.5  # etcd: a 2 s lease, and expired leases are revoked every 500 ms
+ETCD_TIMEOUTS = {"SGLANG_EAAS_ETCD_SUSPECT_TIMEOUT": str(SUSPECT),
+                 "SGLANG_EAAS_ETCD_LOSS_TIMEOUT": str(LOSS)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def etcd_timeouts():
+    """This module's timeouts over etcd too (read by every member and watcher it makes, and
+    by the expert servers it starts)."""
+    saved = {name: os.environ.get(name) for name in ETCD_TIMEOUTS}
+    os.environ.update(ETCD_TIMEOUTS)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
 def tcp_monitor():
-    monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=LOSS)).start()
+    monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=LOSS,
+                                          suspect_timeout=SUSPECT)).start()
     yield monitor
     monitor.close()
 
@@ -67,6 +87,79 @@ def _wait_for(backend, condition, timeout: float):
 
 def _ids(snapshot) -> dict[str, str]:
     return {m.id: m.incarnation for m in snapshot.members}
+
+
+def _suspected(snapshot, member_id: str) -> bool | None:
+    """Whether ``member_id`` is suspected in ``snapshot`` (None: not listed)."""
+    return next((m.suspected for m in snapshot.members if m.id == member_id), None)
+
+
+def test_a_late_member_is_suspected_then_cleared_then_lost(monitor_url):
+    """Heartbeats late past the suspect timeout: the member is suspected, still listed as the
+    same incarnation; its next heartbeat clears it, with nothing else changed and no departure.
+    Silent for the loss timeout, it is lost, and the departure says why: no heartbeat."""
+    url, loss = monitor_url
+    watcher, healthy = connect(url, TOKEN), _Healthy()
+    presence = Presence(connect(url, TOKEN), _member("late"), HEARTBEAT,
+                        healthy=healthy).start()
+    try:
+        first = presence.incarnation
+        _wait_for(watcher, lambda s: _suspected(s, "test:late") is False, 5)
+        healthy.ok = False
+        stopped = time.monotonic()
+        snapshot, seen = _wait_for(watcher, lambda s: _suspected(s, "test:late"), loss)
+        assert seen - stopped >= SUSPECT - HEARTBEAT - 0.05, seen - stopped
+        assert _ids(snapshot)["test:late"] == first
+        healthy.ok = True
+        snapshot, _ = _wait_for(watcher, lambda s: _suspected(s, "test:late") is False, loss)
+        assert _ids(snapshot)["test:late"] == first == presence.incarnation
+        assert not any(d.id == "test:late" for d in snapshot.departures)
+
+        healthy.ok = False
+        stopped = time.monotonic()
+        snapshot, lost = _wait_for(watcher, lambda s: "test:late" not in _ids(s), loss + 2)
+        assert lost - stopped >= LOSS - HEARTBEAT - 0.05, lost - stopped
+        assert [d.reason for d in snapshot.departures if d.incarnation == first] == ["heartbeat"]
+        if not url.startswith("etcd://"):
+            counters = watcher.stats().counters
+            assert counters["suspicions"] >= 2 and counters["suspicions_cleared"] >= 1
+            assert counters["losses_heartbeat"] >= 1
+    finally:
+        presence.close()
+        watcher.close()
+
+
+def test_a_stalled_monitor_does_not_lose_members_for_its_own_stall(tmp_path):
+    """The monitor process itself is stopped for longer than the loss timeout (SIGSTOP: a
+    stall of a loaded host), while its members heartbeat on: once it runs again, nobody is
+    lost, for that time is not counted against them."""
+    log = open_log("monitor-stalled")
+    process = subprocess.Popen([sys.executable, "-m", "sglang_eaas.monitor", "--listen",
+                                "127.0.0.1:0", "--suspect-timeout", str(SUSPECT),
+                                "--loss-timeout", "1"], stdout=subprocess.PIPE, stderr=log,
+                               text=True)
+    presence = watcher = None
+    try:
+        address = process.stdout.readline().split()[4]
+        presence = Presence(connect(address, TOKEN), _member("patient"), HEARTBEAT).start()
+        watcher = connect(address, TOKEN)
+        first = presence.incarnation
+        os.kill(process.pid, signal.SIGSTOP)
+        time.sleep(2.5)
+        os.kill(process.pid, signal.SIGCONT)
+        time.sleep(1.0)
+        snapshot = watcher.watch(-1, 0.0)
+        assert _ids(snapshot).get("test:patient") == first == presence.incarnation
+        assert not snapshot.departures
+        assert watcher.stats().counters.get("monitor_stalls", 0) >= 1
+    finally:
+        for made in (presence, watcher):
+            if made is not None:
+                made.close()
+        os.kill(process.pid, signal.SIGCONT)
+        process.terminate()
+        process.wait(10)
+        log.close()
 
 
 def test_a_silent_member_is_lost_then_registers_again(monitor_url):
@@ -174,8 +267,8 @@ def test_servers_are_evicted_on_report_and_verified_at_registration(tcp_monitor,
             with pytest.raises(Refused) as refused:
                 session.register(claim, HEARTBEAT)
             assert refused.value.reason == "forged_registration"
-        with pytest.raises(Refused, match="too slow for this monitor's loss timeout"):
-            session.register(_member("slow"), LOSS)
+        with pytest.raises(Refused, match="too slow for this monitor's suspect timeout"):
+            session.register(_member("slow"), SUSPECT)
         session.close()
         after = tcp_monitor.stats().control_refused
         assert after.get("forged_registration", 0) == before.get("forged_registration", 0) + 3

@@ -23,7 +23,9 @@ from sglang_eaas.addresses import AddressError, parse_address
 from sglang_eaas.elastic.autoscaler import ACTS, AutoscalePolicy, AutoscaleSettings
 from sglang_eaas.elastic.layout_policy import LAYOUT_MODES, LayoutPolicy, LayoutSettings
 from sglang_eaas.esft.adapter import AdapterError, default_max_experts, load_adapter
-from sglang_eaas.membership import HEARTBEAT, LOSS_TIMEOUT, MonitorSpec, parse_monitor
+from sglang_eaas.membership import (
+    HEARTBEAT, LOSS_TIMEOUT, SUSPECT_TIMEOUT, MonitorSpec, parse_monitor,
+)
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 from sglang_eaas.placement import PlacementError, PlacementFile, load_placement_file
 from sglang_eaas.protocol.slot import POLL_SPIN_US
@@ -195,6 +197,7 @@ class EaasConfig:
     autoscale: AutoscaleSettings | None = None  # --eaas-autoscale
     layout: LayoutSettings | None = None  # --eaas-layout tp|auto (None: ep, as started)
     max_servers: int | None = None  # --eaas-max-servers (None: what the placement can use)
+    suspect_timeout: float = SUSPECT_TIMEOUT  # an embedded monitor's
 
     def adapter_slots(self, num_experts: int) -> int:
         """Expert ids per MoE layer past the model's ``num_experts`` (0 without ESFT)."""
@@ -303,7 +306,17 @@ def add_cli_args(parser: argparse.ArgumentParser,
         default=None,
         metavar="SECONDS",
         help=f"Seconds between heartbeats to the monitor, for this server's ranks and its local "
-        f"expert servers (default: {HEARTBEAT}; at most half the loss timeout).",
+        f"expert servers (default: {HEARTBEAT}; at most half the suspect timeout).",
+    )
+    group.add_argument(
+        "--eaas-suspect-timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help=f"An embedded monitor suspects a member that has not heartbeated for this long: "
+        f"clients send its experts' tokens to their other holders until it heartbeats again "
+        f"(default: {SUSPECT_TIMEOUT}, or the loss timeout if shorter; a standalone monitor has "
+        "its own --suspect-timeout).",
     )
     group.add_argument(
         "--eaas-loss-timeout",
@@ -311,8 +324,10 @@ def add_cli_args(parser: argparse.ArgumentParser,
         default=None,
         metavar="SECONDS",
         help=f"An embedded monitor loses a member that has not heartbeated for this long "
-        f"(default: {LOSS_TIMEOUT}, which detects a dead or hung expert server within a second; "
-        "a standalone monitor has its own --loss-timeout).",
+        f"(default: {LOSS_TIMEOUT}). A killed process is lost at once (its connections close) "
+        "and a hung expert server at a client's --eaas-result-timeout, so this only bounds "
+        "what nothing else sees, such as a partition from the monitor alone; a standalone "
+        "monitor has its own --loss-timeout.",
     )
     group.add_argument(
         "--eaas-result-timeout",
@@ -511,7 +526,8 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
             f"--{name.replace('_', '-')}"
             for name in ("eaas_expert_servers", "eaas_placement", "eaas_token", "eaas_transport",
                          "eaas_poll_spin_us", "eaas_monitor", "eaas_heartbeat",
-                         "eaas_loss_timeout", "eaas_result_timeout", "eaas_wait_for_servers",
+                         "eaas_loss_timeout", "eaas_suspect_timeout", "eaas_result_timeout",
+                         "eaas_wait_for_servers",
                          "eaas_kernel", "eaas_disable_shrink", "eaas_disable_overlap",
                          "eaas_load_dump", "eaas_load_window", "eaas_esft",
                          "eaas_esft_adapters", "eaas_esft_slots", "eaas_esft_max_experts",
@@ -529,12 +545,17 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
     monitor = args.eaas_monitor or parse_monitor("embedded")
     heartbeat = args.eaas_heartbeat or HEARTBEAT
     loss = args.eaas_loss_timeout or LOSS_TIMEOUT
-    if monitor.kind != "embedded" and args.eaas_loss_timeout is not None:
-        raise ValueError("--eaas-loss-timeout applies to an embedded monitor; a standalone one "
-                         "has its own --loss-timeout")
-    if monitor.kind == "embedded" and heartbeat > loss / 2:
-        raise ValueError(f"--eaas-heartbeat {heartbeat} must be at most half of the loss "
-                         f"timeout ({loss}s, --eaas-loss-timeout)")
+    suspect = args.eaas_suspect_timeout or min(SUSPECT_TIMEOUT, loss)
+    for name in ("loss", "suspect"):
+        if monitor.kind != "embedded" and getattr(args, f"eaas_{name}_timeout") is not None:
+            raise ValueError(f"--eaas-{name}-timeout applies to an embedded monitor; a "
+                             f"standalone one has its own --{name}-timeout")
+    if suspect > loss:
+        raise ValueError(f"--eaas-suspect-timeout {suspect} must be at most the loss timeout "
+                         f"({loss}s, --eaas-loss-timeout)")
+    if monitor.kind == "embedded" and heartbeat > suspect / 2:
+        raise ValueError(f"--eaas-heartbeat {heartbeat} must be at most half of the suspect "
+                         f"timeout ({suspect}s, --eaas-suspect-timeout)")
     if args.eaas_wait_for_servers is not None and (
             args.eaas_expert_servers is not None or monitor.kind == "embedded"):
         raise ValueError("--eaas-wait-for-servers applies to a shared monitor "
@@ -567,7 +588,8 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                      args.eaas_load_window or LOAD_WINDOW, esft,
                      tuple(args.eaas_esft_adapters or ()), args.eaas_esft_slots,
                      args.eaas_esft_max_experts, args.eaas_esft_replicas or 1)
-    cfg = replace(cfg, autoscale=autoscale_settings(args), layout=layout_settings(args),
+    cfg = replace(cfg, suspect_timeout=suspect, autoscale=autoscale_settings(args),
+                  layout=layout_settings(args),
                   max_servers=getattr(args, "eaas_max_servers", None))
     from sglang_eaas.protocol.operations import lease_ttl
 

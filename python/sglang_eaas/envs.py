@@ -48,4 +48,20 @@ OPERATION_LEASE = EnvVar(
     "(docs/elastic.md, 'The tier controller').",
 )
 
-ALL = (CPU_RUNTIME, TOKEN, KERNEL_CACHE, OPERATION_LEASE)
+ETCD_SUSPECT_TIMEOUT = EnvVar(
+    "SGLANG_EAAS_ETCD_SUSPECT_TIMEOUT",
+    "",
+    "Over an etcd monitor (which has no process of its own to configure): seconds without a "
+    "member's heartbeat before a watcher suspects it (default 1; at least two of its heartbeat "
+    "periods). Set the same in every member and watcher (docs/fault-tolerance.md).",
+)
+
+ETCD_LOSS_TIMEOUT = EnvVar(
+    "SGLANG_EAAS_ETCD_LOSS_TIMEOUT",
+    "",
+    "Over an etcd monitor: the TTL of a member's etcd lease, seconds without a heartbeat "
+    "before it is lost (default 10; whole seconds, at least four heartbeat periods).",
+)
+
+ALL = (CPU_RUNTIME, TOKEN, KERNEL_CACHE, OPERATION_LEASE, ETCD_SUSPECT_TIMEOUT,
+       ETCD_LOSS_TIMEOUT)

@@ -4,7 +4,8 @@ Prints every expert server (status, incarnation, seconds since its last heartbea
 requests and tokens served, experts per MoE layer), then each MoE layer's coverage (how many
 live holders each expert has, and which have none), what each server computed per MoE layer
 (tokens, compute time, its busiest expert), then the attention clients and the latest
-departures with why, and the tier controller's latest operations (the one holding the tier,
+departures with why, the members suspected now and the monitor's suspicions and losses by
+reason, and the tier controller's latest operations (the one holding the tier,
 and each one's state and result). ``--json`` prints the monitor's snapshot and operations
 instead.
 """
@@ -20,7 +21,7 @@ from collections import Counter
 from ibgda import TransportError
 from sglang_eaas import envs
 from sglang_eaas.membership import connect, current_snapshot, parse_monitor
-from sglang_eaas.protocol.monitor import Member, Snapshot
+from sglang_eaas.protocol.monitor import Member, MonitorStats, Snapshot
 from sglang_eaas.protocol.operations import OperationList, describe_target
 from sglang_eaas.routing_table import lenient_table
 
@@ -36,6 +37,18 @@ def ranges(ids: list[int]) -> str:
         out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
         i = j + 1
     return ",".join(out) or "-"
+
+
+def render_detection(stats: MonitorStats) -> list[str]:
+    """The monitor's failure detection since it started: suspicions (and how many heartbeats
+    cleared), losses by reason; nothing where it keeps no counters (etcd)."""
+    c = stats.counters
+    losses = {k[len("losses_"):]: v for k, v in sorted(c.items()) if k.startswith("losses_")}
+    if not (c.get("suspicions") or losses):
+        return [] if not stats.counters else ["", "failure detection: no suspicion, no loss"]
+    return ["", f"failure detection: {c.get('suspicions', 0)} suspicions "
+            f"({c.get('suspicions_cleared', 0)} cleared by a heartbeat); losses by reason: "
+            + (", ".join(f"{reason} {n}" for reason, n in losses.items()) or "none")]
 
 
 def render_operations(listed: OperationList) -> list[str]:
@@ -74,7 +87,8 @@ def render(snapshot: Snapshot, monitor: str) -> str:
         if adapters:
             held += "; ESFT adapter experts: " + ", ".join(
                 f"{name} {n}" for name, n in sorted(adapters.items()))
-        rows.append((m.id, m.status, m.incarnation[:16], f"{m.beat_age:.2f}s",
+        rows.append((m.id, m.status + (" SUSPECTED" if m.suspected else ""),
+                     m.incarnation[:16], f"{m.beat_age:.2f}s",
                      str(m.load.get("clients", "-")), str(m.load.get("requests", "-")),
                      str(m.load.get("tokens", "-")), held))
     lines += _table(rows)
@@ -112,6 +126,12 @@ def render(snapshot: Snapshot, monitor: str) -> str:
         lines += _table(rows)
     if snapshot.clients():
         lines += ["", "clients: " + ", ".join(sorted(m.id for m in snapshot.clients()))]
+    suspected = [m for m in snapshot.members if m.suspected]
+    if suspected:
+        lines += ["", "suspected (late heartbeats; lost only if the data path confirms or the "
+                  "loss timeout passes):"]
+        lines += [f"  {m.kind} {m.id}: no heartbeat for {m.beat_age:.2f}s"
+                  for m in sorted(suspected, key=lambda m: m.key())]
     if snapshot.departures:
         lines += ["", "latest departures:"]
         lines += [f"  {d.kind} {d.id} ({d.incarnation[:16]}): {d.why}"
@@ -168,16 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         backend = connect(args.monitor, token)
         try:
             listed = backend.operations("", args.operations)
+            stats = backend.stats()
         finally:
             backend.close()
     except TransportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({**snapshot.to_message(), "operations": listed.to_message()},
-                         indent=2))
+        print(json.dumps({**snapshot.to_message(), "operations": listed.to_message(),
+                          "monitor": stats.to_message()}, indent=2))
     else:
-        print(render(snapshot, args.monitor) + "\n" + "\n".join(render_operations(listed)))
+        print(render(snapshot, args.monitor) + "\n" + "\n".join(
+            render_detection(stats) + render_operations(listed)))
     return 0
 
 

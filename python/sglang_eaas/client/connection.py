@@ -32,6 +32,13 @@ class ServerConnection:
         self.address, self.incarnation = address, incarnation
         self.client_incarnation = client_incarnation  # the one this slot belongs to
         self.lost_why: str | None = None  # set when this server is known lost: stop waiting
+        # the monitor suspects it (late heartbeats): the tier routes its experts to their
+        # other holders while it is, where there are some
+        self.suspected = False
+        self.suspected_at = 0.0  # when this client learned it (monotonic)
+        # the monitor lost it on heartbeats alone while it was the last holder of some expert:
+        # kept in use (it answers exchanges) until it registers again or the data path fails it
+        self.kept_why: str | None = None
         # Requests sent and not collected yet (two micro-batches may have one each): the tier
         # unmaps a dropped connection's region only at 0, never under a wait still to come.
         self.in_flight = 0

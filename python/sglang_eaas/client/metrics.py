@@ -8,6 +8,11 @@ server's ``/metrics`` with SGLang's own. One set per attention rank (label ``ran
     sglang_eaas_server_timeouts_total{server}   results that did not come within the timeout
     sglang_eaas_failovers_total{server}         times a server was dropped with work in flight
                                                 or gone (its tokens went to other holders)
+    sglang_eaas_server_suspicions_total{server} times the monitor suspected a server (late
+                                                heartbeats: its experts went to other holders)
+    sglang_eaas_server_losses_total{server, reason}  servers this rank dropped as lost, by why:
+                                                connection_closed, result_timeout, heartbeat,
+                                                refused, replaced (a new incarnation), gone
     sglang_eaas_failed_requests_total           requests ended because an expert had no holder
     sglang_eaas_table_epoch                     the routing table in use
     sglang_eaas_table_servers                   expert servers in it
@@ -74,6 +79,12 @@ class TierMetrics:
     def failover(self, server: str) -> None:
         pass
 
+    def suspected(self, server: str) -> None:
+        pass
+
+    def lost(self, server: str, reason: str) -> None:
+        pass
+
     def failed_requests(self, count: int) -> None:
         pass
 
@@ -108,6 +119,13 @@ class PrometheusTierMetrics(TierMetrics):
                                  "within the result timeout", per_server, **on)
         self._failovers = Counter("sglang_eaas_failovers", "Times an expert server was dropped "
                                   "from the routing table by this rank", per_server, **on)
+        self._suspicions = Counter("sglang_eaas_server_suspicions", "Times the monitor "
+                                   "suspected an expert server (late heartbeats)", per_server,
+                                   **on)
+        self._losses = Counter("sglang_eaas_server_losses", "Expert servers this rank dropped "
+                               "as lost, by reason (connection_closed, result_timeout, "
+                               "heartbeat, refused, replaced, gone)", [*per_server, "reason"],
+                               **on)
         self._failed = Counter("sglang_eaas_failed_requests", "Requests ended because an expert "
                                "they needed had no live holder", ["rank"], **on).labels(**labels)
         self._layers = Counter(
@@ -156,6 +174,12 @@ class PrometheusTierMetrics(TierMetrics):
 
     def failover(self, server: str) -> None:
         self._of(server)[2].inc()
+
+    def suspected(self, server: str) -> None:
+        self._suspicions.labels(rank=self._rank, server=server).inc()
+
+    def lost(self, server: str, reason: str) -> None:
+        self._losses.labels(rank=self._rank, server=server, reason=reason).inc()
 
     def failed_requests(self, count: int) -> None:
         self._failed.inc(count)

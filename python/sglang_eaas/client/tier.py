@@ -5,8 +5,13 @@ change of the tier into a new ``View`` (a routing table with the next epoch, and
 of its servers), which the data path (``EaasClient``) adopts between steps:
 
 * the monitor says a server registered: join it (here, never on the data path), next view;
+* the monitor suspects a server (its heartbeats are late): its experts go to their other
+  holders where they have some, next view; it is used as before once cleared;
 * the monitor says a server was lost, left, re-registered as a new incarnation or is draining:
-  drop it, next view; a wait on it stops at once (``ServerConnection.lost_why``);
+  drop it, next view; a wait on it stops at once (``ServerConnection.lost_why``). Except a
+  server lost on heartbeats alone that is the last holder of some expert and whose connection
+  is open: it answers exchanges, so it is kept (``kept_why``) until it registers again or the
+  data path fails it (docs/fault-tolerance.md, "Suspected, then lost");
 * the data path saw a server fail (no answer within the result timeout, a broken connection):
   ``lose`` drops it at once and reports it to the monitor, which evicts it (it is used again
   only once it has registered again);
@@ -44,7 +49,7 @@ from sglang_eaas.membership.presence import Presence
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import PlacementError
 from sglang_eaas.protocol.lines import ControlError
-from sglang_eaas.protocol.monitor import CLIENT, SERVING, Member, Snapshot
+from sglang_eaas.protocol.monitor import CLIENT, SERVING, Member, Snapshot, loss_reason
 from sglang_eaas.protocol.slot import DTYPE_NAMES
 from sglang_eaas.routing_table import RoutingTable
 
@@ -204,12 +209,31 @@ class ClientTier:
     def _table(self, epoch: int, conns: Mapping[str, ServerConnection]) -> RoutingTable:
         """The routing table of ``conns``' holdings (ids past the model's experts: ESFT
         adapter slots, ``TierSettings.adapter_slots`` per layer; an adapter expert past them,
-        placed by a client with more slots, is not this client's to use)."""
+        placed by a client with more slots, is not this client's to use). Suspected servers
+        are left out where the others hold what they do: each is added back, the most recently
+        suspected first, only if it holds something the table has no other holder for."""
         size = self.info.num_experts + self.settings.adapter_slots
-        return RoutingTable.build(epoch, Holdings({s: c.holdings.below(size)
-                                                   for s, c in conns.items()}),
-                                  list(self.info.moe_layers), size,
-                                  allow_missing=True, base_experts=self.info.num_experts)
+
+        def build(servers: list[str]) -> RoutingTable:
+            return RoutingTable.build(epoch, Holdings({s: conns[s].holdings.below(size)
+                                                       for s in servers}),
+                                      list(self.info.moe_layers), size,
+                                      allow_missing=True, base_experts=self.info.num_experts)
+
+        # the most recently suspected first: the least suspicious (a false suspicion on a busy
+        # host comes and goes; a dead or hung server stays suspected from its first)
+        suspected = sorted((s for s, c in conns.items() if c.suspected),
+                           key=lambda s: -conns[s].suspected_at)
+        if not suspected:
+            return build(list(conns))
+        used = [s for s, c in conns.items() if not c.suspected]
+        table = build(used)
+        for server in suspected:
+            more = build([s for s in conns if s in used or s == server])
+            if _missing_count(more) < _missing_count(table):
+                used.append(server)
+                table = more
+        return table
 
     def live_connections(self) -> dict[str, ServerConnection]:
         with self._lock:
@@ -221,6 +245,7 @@ class ClientTier:
         servers = {m.id: m for m in snapshot.servers(self.model.fingerprint)}
         self._known |= set(servers)  # followed through the monitor from now on
         why_gone = {d.id: d.why for d in snapshot.departures}
+        kept = self._kept_on_heartbeats(servers, snapshot)
         listed = {(sid, m.incarnation) for sid, m in servers.items()}
         confirmed = self._confirm_incarnations(servers)
         with self._lock:
@@ -230,10 +255,13 @@ class ClientTier:
                 m = servers.get(sid)
                 if m is None and sid in self._static and not conn.incarnation:
                     continue  # a server given at launch that the monitor does not know
+                if sid in kept:
+                    continue
                 if confirmed.get(sid) is conn and not conn.incarnation:
                     conn.incarnation = m.incarnation  # joined before it had registered
                     continue
                 if m is not None and m.incarnation == conn.incarnation and m.status == SERVING:
+                    self._follow_suspicion(conn, m.suspected)
                     if m.holdings != conn.holdings:
                         # a replica (or an adapter's experts) added or dropped
                         logger.info("sglang-eaas: expert server %s now holds experts per MoE "
@@ -241,10 +269,13 @@ class ClientTier:
                         conn.holdings = m.holdings
                         self.stats["holdings_changes"] += 1
                     continue
-                why = ("draining" if m is not None and m.status != SERVING else
-                       "registered again as a new incarnation" if m is not None else
-                       why_gone.get(sid, "gone from the monitor"))
-                self._drop(conn, why, lost=why != "draining")
+                if m is not None:
+                    why, reason = (("draining", None) if m.status != SERVING else
+                                   ("registered again as a new incarnation", "replaced"))
+                else:
+                    why = why_gone.get(sid, "gone from the monitor")
+                    reason = loss_reason(why) if sid in why_gone else "gone"
+                self._drop(conn, why, reason)
         for sid, m in servers.items():
             if m.status != SERVING or sid in self._conns:
                 continue
@@ -264,6 +295,55 @@ class ClientTier:
             logger.info("sglang-eaas: expert server %s joined the table (experts per MoE layer "
                         "%s)", sid, conn.holdings)
         return self._build()
+
+    def _follow_suspicion(self, conn: ServerConnection, suspected: bool) -> None:
+        """Under the lock: the monitor suspects ``conn``'s server, or no longer does."""
+        if suspected == conn.suspected:
+            return
+        conn.suspected, conn.suspected_at = suspected, time.monotonic() if suspected else 0.0
+        self.stats["suspicions" if suspected else "suspicions_cleared"] += 1
+        if suspected:
+            self.metrics.suspected(conn.address)
+            logger.warning("sglang-eaas: expert server %s is suspected (late heartbeats): its "
+                           "experts go to their other holders until it heartbeats again",
+                           conn.address)
+        else:
+            logger.info("sglang-eaas: expert server %s heartbeats again: used as before",
+                        conn.address)
+
+    def _kept_on_heartbeats(self, servers: Mapping[str, Member], snapshot: Snapshot) -> set[str]:
+        """The servers the monitor lost on heartbeats alone (no new incarnation listed) that
+        hold experts no other live server holds and whose connection is open: kept in use, for
+        they answer exchanges (a hung one fails its next one; one that reaches the monitor
+        again registers as a new incarnation, which replaces it)."""
+        gone = {d.id: d for d in snapshot.departures}
+        with self._lock:
+            candidates = {sid: c for sid, c in self._conns.items() if sid not in servers
+                          and sid in gone and gone[sid].incarnation == c.incarnation
+                          and gone[sid].reason == "heartbeat"}
+            if not candidates:
+                return set()
+            others = {sid: c for sid, c in self._conns.items() if sid not in candidates}
+            kept = set()
+            for sid, conn in candidates.items():
+                if conn.closed_by_server() or not self._orphans_without(sid, others, conn):
+                    continue
+                kept.add(sid)
+                others[sid] = conn
+                if conn.kept_why is None:
+                    conn.kept_why = gone[sid].why
+                    self.stats["kept_last_holders"] += 1
+                    logger.warning("sglang-eaas: the monitor lost expert server %s (%s), but it "
+                                   "holds experts no other live server does and its connection "
+                                   "is open: kept until it registers again or fails an exchange",
+                                   sid, gone[sid].why)
+            return kept
+
+    def _orphans_without(self, sid: str, others: Mapping[str, ServerConnection],
+                         conn: ServerConnection) -> bool:
+        """Whether ``conn`` (server ``sid``) holds experts none of ``others`` holds."""
+        return (_missing_count(self._table(0, {**others, sid: conn}))
+                < _missing_count(self._table(0, others)))
 
     def _confirm_incarnations(self, servers: Mapping[str, Member]) -> dict[str, ServerConnection]:
         """The connections joined before their server had registered (a server given at launch
@@ -287,8 +367,11 @@ class ClientTier:
                 time.sleep(CONFIRM_WAIT)
         return confirmed
 
-    def _drop(self, conn: ServerConnection, why: str, lost: bool) -> None:
-        """Under the lock: take ``conn`` out of the live set; it is closed once adopted past."""
+    def _drop(self, conn: ServerConnection, why: str, reason: str | None) -> None:
+        """Under the lock: take ``conn`` out of the live set; it is closed once adopted past.
+        ``reason``: why it is lost, as counted (``protocol.monitor.loss_reason``'s, or
+        ``refused``, ``replaced``, ``gone``); None: not lost (draining)."""
+        lost = reason is not None
         if self._conns.get(conn.address) is not conn:
             return
         del self._conns[conn.address]
@@ -300,6 +383,8 @@ class ClientTier:
         self.stats["drops"] += 1
         if lost:
             self.metrics.failover(conn.address)
+            self.metrics.lost(conn.address, reason)
+            self.stats[f"losses_{reason}"] += 1
         orphans = self._table(0, self._conns).missing
         log = logger.info if why == "draining" else logger.warning
         log("sglang-eaas: expert server %s leaves the table (%s); its experts go to their other "
@@ -308,9 +393,10 @@ class ClientTier:
 
     def lose(self, conn: ServerConnection, why: str, report: bool) -> View:
         """The data path saw ``conn`` fail: drop it now and return the view without it;
-        ``report`` tells the monitor (a timeout the monitor may not have noticed)."""
+        ``report`` tells the monitor (a timeout the monitor may not have noticed; else it
+        refused entries and no newer table came)."""
         with self._lock:
-            self._drop(conn, why, lost=True)
+            self._drop(conn, why, "result_timeout" if report else "refused")
             view = self._build()
         self.stats["failovers"] += 1
         if report and self.backend is not None and conn.incarnation:
@@ -477,7 +563,7 @@ class ClientTier:
             with self._lock:
                 for conn in closed:
                     self._drop(conn, "its control connection closed (the server is gone)",
-                               lost=True)
+                               "connection_closed")
                 view = self._build()
             self.on_view(view)
 
@@ -526,6 +612,11 @@ class ClientTier:
         for backend in (self.backend, self._check_backend):
             if backend is not None:
                 backend.close()
+
+
+def _missing_count(table: RoutingTable) -> int:
+    """(MoE layer, expert) pairs ``table`` has no holder for."""
+    return sum(len(experts) for experts in table.missing.values())
 
 
 def _missing(table: RoutingTable) -> str:

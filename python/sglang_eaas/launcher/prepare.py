@@ -218,13 +218,13 @@ def start_monitor(cfg: EaasConfig, avoid_ports: frozenset[int] = frozenset()) ->
         port = str(free_port(avoid_ports))
     try:
         monitor = MonitorServer(MonitorConfig(host, int(port), envs.TOKEN.get(),
-                                              cfg.loss_timeout)).start()
+                                              cfg.loss_timeout, cfg.suspect_timeout)).start()
     except OSError as exc:
         raise TransportError(f"cannot start the embedded monitor on {spec.address}: "
                              f"{exc.strerror or exc}") from None
     _stop_later(monitor.close)
-    logger.info("sglang-eaas: embedded monitor on %s (loss timeout %ss)", monitor.address,
-                cfg.loss_timeout)
+    logger.info("sglang-eaas: embedded monitor on %s (suspect timeout %ss, loss timeout %ss)",
+                monitor.address, cfg.suspect_timeout, cfg.loss_timeout)
     return monitor.address
 
 

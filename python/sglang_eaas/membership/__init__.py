@@ -14,14 +14,11 @@ from dataclasses import dataclass
 
 from sglang_eaas.addresses import AddressError, parse_address
 from sglang_eaas.membership.base import MemberLost, MemberSession, MonitorBackend
+from sglang_eaas.membership.timing import HEARTBEAT, LOSS_TIMEOUT, SUSPECT_TIMEOUT
 from sglang_eaas.protocol.monitor import Snapshot
 
 EMBEDDED, TCP, ETCD = "embedded", "tcp", "etcd"
 ETCD_SCHEME = "etcd://"
-# Defaults that detect a dead member within a second on a loaded 2-core machine; a member is
-# lost after two periods without a heartbeat (docs/fault-tolerance.md, "Sizing the timeouts").
-HEARTBEAT = 0.3  # seconds between heartbeats
-LOSS_TIMEOUT = 0.6  # seconds without one before the member is lost
 
 
 @dataclass(frozen=True)
@@ -84,4 +81,4 @@ def current_snapshot(url: str, token: str) -> Snapshot:
 
 
 __all__ = ["MemberLost", "MemberSession", "MonitorBackend", "MonitorSpec", "connect",
-           "current_snapshot", "parse_monitor", "HEARTBEAT", "LOSS_TIMEOUT"]
+           "current_snapshot", "parse_monitor", "HEARTBEAT", "LOSS_TIMEOUT", "SUSPECT_TIMEOUT"]

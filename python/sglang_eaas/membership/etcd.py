@@ -4,9 +4,18 @@ For multi-host deployments, where the monitor must outlive any one SGLang launch
 ``Member`` records as the embedded monitor, kept as etcd keys:
 
 * liveness is an etcd **lease**: a member's record lives under ``/sglang-eaas/members/KIND/ID``
-  with a lease of ``ceil(2 * heartbeat)`` seconds (at least 1, etcd's unit) that every heartbeat
-  keeps alive; a member whose heartbeats stop loses its record when the lease expires, and its
-  incarnation *is* its lease id. A client's timeout report revokes the server's lease (eviction);
+  with a lease of the loss timeout (``SGLANG_EAAS_ETCD_LOSS_TIMEOUT``, else ``LOSS_TIMEOUT``;
+  at least four heartbeat periods; whole seconds, etcd's unit) that every heartbeat keeps
+  alive; a member whose heartbeats stop loses its record when the lease expires, and its
+  incarnation *is* its lease id. A client's timeout
+  report revokes the server's lease (eviction); a report or a leave first writes why under
+  ``/sglang-eaas/departed/INCARNATION`` (a minute's lease), so watchers tell a heartbeat loss
+  from the others (``Departure.reason``);
+* suspicion (docs/fault-tolerance.md, "Suspected, then lost"): every heartbeat also writes
+  ``/sglang-eaas/beats/KIND/ID`` (with its period), which each watcher follows on a watch of its
+  own and times on its own clock: a member it has seen no beat of for the suspect timeout
+  (``SGLANG_EAAS_ETCD_SUSPECT_TIMEOUT``, else ``SUSPECT_TIMEOUT``; at least two of its
+  periods) is ``suspected`` in its snapshots, and its next beat clears it;
 * changes are an etcd **watch** on that prefix (every PUT or DELETE bumps this backend's
   revision and wakes ``watch`` callers, who then read the whole prefix);
 * since anyone who reaches etcd can write keys, every record is **signed** with the shared token
@@ -20,7 +29,8 @@ For multi-host deployments, where the monitor must outlive any one SGLang launch
 
 etcd grants no lease shorter than its minimum TTL (``3/2 * election timeout``, rounded up to a
 second: run etcd with ``--heartbeat-interval 50 --election-timeout 250`` for 1 s) and checks for
-expired leases every 500 ms, so a dead member is noticed within TTL + 0.5 s.
+expired leases every 500 ms, so a silent member is lost within TTL + 0.5 s (a dead one sooner:
+its clients see its connections close).
 """
 
 from __future__ import annotations
@@ -36,9 +46,11 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from ibgda import TransportError
+from sglang_eaas import envs
 from sglang_eaas.addresses import parse_address
 from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.membership.base import MemberLost, MemberSession, MonitorBackend
+from sglang_eaas.membership.timing import LOSS_TIMEOUT, SUSPECT_TIMEOUT
 from sglang_eaas.protocol.lines import ControlError, Refused
 from sglang_eaas.protocol.monitor import (
     Departure, Member, MonitorStats, Snapshot, sign, sign_json, verify, verify_json,
@@ -50,6 +62,9 @@ from sglang_eaas.protocol.operations import (
 logger = logging.getLogger(__name__)
 PREFIX = "/sglang-eaas/"
 MEMBERS, LOADS = PREFIX + "members/", PREFIX + "load/"
+BEATS, DEPARTED = PREFIX + "beats/", PREFIX + "departed/"
+DEPARTED_TTL = 60  # seconds a departure's reason is kept for the watchers
+SUSPECT_TICK = 0.1  # seconds between a watcher's looks at whose beats are late
 # the tier controller (protocol/operations.py): the lease's key, whose create revision is the
 # lease's epoch, and one key per operation (no etcd lease: they outlive their drivers)
 OPERATION_LEASE, OPERATIONS = PREFIX + "controller/lease", PREFIX + "operations/"
@@ -74,6 +89,27 @@ def single_node_command(binary: str, data_dir: str, host: str, client_port: int,
             "--initial-cluster", f"eaas={peer}", *RAFT_TIMING]
 
 
+def timeouts() -> tuple[float, float]:
+    """The suspect and loss timeouts over etcd (``envs.ETCD_*_TIMEOUT``, else the defaults);
+    ``ValueError`` in one sentence for a bad value."""
+    values = []
+    for var, default in ((envs.ETCD_SUSPECT_TIMEOUT, SUSPECT_TIMEOUT),
+                         (envs.ETCD_LOSS_TIMEOUT, LOSS_TIMEOUT)):
+        text = var.get().strip()
+        try:
+            value = float(text) if text else default
+        except ValueError:
+            value = -1.0
+        if not 0 < value <= 3600:
+            raise ValueError(f"{var.name}={text!r}: seconds, more than 0 and at most 3600")
+        values.append(value)
+    suspect, loss = values
+    if suspect > loss:
+        raise ValueError(f"{envs.ETCD_SUSPECT_TIMEOUT.name} ({suspect}s) must be at most "
+                         f"{envs.ETCD_LOSS_TIMEOUT.name} ({loss}s)")
+    return suspect, loss
+
+
 def _key(root: str, member: Member) -> str:
     return f"{root}{member.kind}/{member.id}"
 
@@ -85,6 +121,7 @@ class EtcdMonitor(MonitorBackend):
         self.address, self.token = "etcd://" + address, token
         host, port = parse_address(address)
         self.client = Etcd3Client(host, port, timeout=CALL_TIMEOUT)
+        self.suspect_timeout, self.loss_timeout = timeouts()
         self._call(self.client.status)  # reachable, or TransportError now
         self._cond = threading.Condition()
         self._revision = 0
@@ -92,6 +129,13 @@ class EtcdMonitor(MonitorBackend):
         self._cancel: Callable[[], None] | None = None
         self._refused: dict[str, str] = {}  # etcd key -> why its record was refused
         self._held = None  # (etcd Lease, epoch, operation id) of the operation lease held
+        # suspicion, on this watcher's clock: "KIND/ID" -> (its last beat seen, suspected
+        # after this many seconds without one); those suspected now
+        self._beats: dict[str, tuple[float, float]] = {}
+        self._suspected: set[str] = set()
+        self._beats_cancel: Callable[[], None] | None = None
+        self._closed = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     def _call(self, fn: Callable, *args, **kwargs) -> Any:
         """``fn(...)``; any failure to reach etcd becomes ``TransportError``."""
@@ -102,6 +146,14 @@ class EtcdMonitor(MonitorBackend):
 
     # -- watching --------------------------------------------------------------------------
     def _ensure_watch(self) -> None:
+        if self._beats_cancel is None:
+            beats, self._beats_cancel = self._call(self.client.watch_prefix, BEATS)
+            threading.Thread(target=self._consume_beats, args=(beats,),
+                             name="eaas-etcd-beats", daemon=True).start()
+        if self._ticker is None:
+            self._ticker = threading.Thread(target=self._tick, name="eaas-etcd-suspicion",
+                                            daemon=True)
+            self._ticker.start()
         if self._cancel is not None:
             return
         events, self._cancel = self._call(self.client.watch_prefix, MEMBERS, prev_kv=True)
@@ -111,9 +163,16 @@ class EtcdMonitor(MonitorBackend):
     def _consume(self, events) -> None:
         try:
             for event in events:
+                departure = None
+                if event.get("type") == "DELETE":
+                    departure = self._departed(event.get("prev_kv") or {})
                 with self._cond:
-                    if event.get("type") == "DELETE":
-                        self._departed(event.get("prev_kv") or {})
+                    if departure is not None:
+                        self._departures.append(replace(departure,
+                                                        revision=self._revision + 1))
+                        name = f"{departure.kind}/{departure.id}"
+                        self._beats.pop(name, None)
+                        self._suspected.discard(name)
                     self._revision += 1
                     self._cond.notify_all()
         except Exception as exc:  # the stream broke (etcd restarted, say): watch again later
@@ -123,14 +182,72 @@ class EtcdMonitor(MonitorBackend):
             self._revision += 1  # wake the watchers: they read the prefix afresh
             self._cond.notify_all()
 
-    def _departed(self, prev: dict) -> None:
+    def _departed(self, prev: dict) -> Departure | None:
+        """The departure of the member whose record ``prev`` was, and why: what a report or a
+        leave wrote under its incarnation, else its lease ended: no heartbeat."""
         try:
             member = verify(base64.b64decode(prev.get("value", "")), self.token)
         except (ControlError, ValueError):
-            return
-        self._departures.append(Departure(member.kind, member.id, member.incarnation,
-                                          "lost: its etcd lease ended (no heartbeat, evicted "
-                                          "or left)", self._revision + 1))
+            return None
+        why = "lost: no heartbeat for its etcd lease's TTL"
+        try:
+            rows = self._call(self.client.get, DEPARTED + member.incarnation)
+            if rows:
+                why = str(verify_json(rows[0], self.token).get("why", why))
+        except (TransportError, ControlError, AttributeError):
+            pass
+        return Departure(member.kind, member.id, member.incarnation, why, 0)
+
+    def _say_departure(self, incarnation: str, why: str) -> None:
+        """Write why ``incarnation`` is about to depart, for the watchers (a minute's lease)."""
+        self._call(self.client.put, DEPARTED + incarnation,
+                   sign_json({"why": why}, self.token), lease=self._grant(DEPARTED_TTL))
+
+    # -- suspicion, on this watcher's clock ------------------------------------------------
+    def _consume_beats(self, events) -> None:
+        try:
+            for event in events:
+                if event.get("type") == "DELETE":
+                    continue
+                kv = event.get("kv") or {}  # etcd3gw decodes an event's kv (not prev_kv)
+                try:
+                    name = kv["key"].decode()[len(BEATS):]
+                    beat = verify_json(kv["value"], self.token)
+                    after = max(self.suspect_timeout, 2 * float(beat.get("period", 0)))
+                except (ControlError, ValueError, TypeError, AttributeError, KeyError):
+                    continue
+                with self._cond:
+                    self._beats[name] = (time.monotonic(), after)
+                    if name in self._suspected:
+                        self._suspected.discard(name)
+                        self._revision += 1
+                        self._cond.notify_all()
+        except Exception as exc:
+            logger.warning("etcd watch of %s's heartbeats ended: %s", self.address, exc)
+        with self._cond:  # no beats seen meanwhile: nobody suspected for it
+            self._beats_cancel = None
+            self._beats = {name: (time.monotonic(), after)
+                           for name, (_, after) in self._beats.items()}
+            if self._suspected:
+                self._suspected.clear()
+                self._revision += 1
+                self._cond.notify_all()
+
+    def _tick(self) -> None:
+        while not self._closed.wait(SUSPECT_TICK):
+            now = time.monotonic()
+            with self._cond:
+                if self._beats_cancel is None:
+                    continue
+                late = {name: now - seen for name, (seen, after) in self._beats.items()
+                        if now - seen > after and name not in self._suspected}
+                if late:
+                    self._suspected |= set(late)
+                    self._revision += 1
+                    self._cond.notify_all()
+            for name, age in sorted(late.items()):
+                logger.warning("%s suspected: no heartbeat seen for %.2fs",
+                               name.replace("/", " ", 1), age)
 
     def watch(self, after: int, timeout: float) -> Snapshot:
         self._ensure_watch()
@@ -156,7 +273,12 @@ class EtcdMonitor(MonitorBackend):
                     member = replace(member, load=json.loads(load))
                 except ValueError:
                     pass
-            members.append(member)
+            name, now = f"{member.kind}/{member.id}", time.monotonic()
+            with self._cond:  # one this watcher has seen no beat of yet: timed from now
+                seen, _ = self._beats.setdefault(name, (now, self.suspect_timeout))
+                suspected = name in self._suspected
+            members.append(replace(member, suspected=suspected,
+                                   beat_age=round(max(0.0, now - seen), 3)))
         return members
 
     def report(self, server: str, incarnation: str, why: str) -> bool:
@@ -165,6 +287,7 @@ class EtcdMonitor(MonitorBackend):
             if member.kind == "server" and member.id == server:
                 if member.incarnation != incarnation:
                     return False
+                self._say_departure(incarnation, f"evicted: {why}")
                 self._call(self.client.post, self.client.get_url("/kv/lease/revoke"),
                            json={"ID": int(incarnation)})
                 logger.warning("evicted expert server %s (lease %s): %s", server, incarnation,
@@ -336,9 +459,12 @@ class EtcdMonitor(MonitorBackend):
         return OperationList(newest_first(records, limit), holder, epoch)
 
     def close(self) -> None:
-        cancel, self._cancel = self._cancel, None
-        if cancel is not None:
-            cancel()
+        self._closed.set()
+        for name in ("_cancel", "_beats_cancel"):
+            cancel = getattr(self, name)
+            setattr(self, name, None)
+            if cancel is not None:
+                cancel()
 
 
 class EtcdSession(MemberSession):
@@ -347,14 +473,11 @@ class EtcdSession(MemberSession):
         self._lease = None
         self._member: Member | None = None
         self._beats = 0
+        self._period = 0.0  # the heartbeat period it registered with
 
     def register(self, member: Member, heartbeat: float) -> Member:
-        from etcd3gw.lease import Lease
-
-        ttl = max(1, math.ceil(2 * heartbeat))
-        granted = self.monitor._call(self.client.post, self.client.get_url("/lease/grant"),
-                                     json={"TTL": ttl, "ID": 0})
-        self._lease = Lease(int(granted["ID"]), self.client)
+        self._period = heartbeat
+        self._lease = self.monitor._grant(max(self.monitor.loss_timeout, 4 * heartbeat))
         self._member = replace(member, incarnation=str(self._lease.id))
         self._put(self._member)
         return self._member
@@ -372,6 +495,9 @@ class EtcdSession(MemberSession):
     def heartbeat(self, load: dict) -> None:
         if self._lease is None or self.monitor._call(self._lease.refresh) <= 0:
             raise MemberLost(f"etcd {self.monitor.address}: lease of {self._member.id} ended")
+        self.monitor._call(self.client.put, _key(BEATS, self._member),
+                           sign_json({"period": self._period}, self.monitor.token),
+                           lease=self._lease)
         self._beats += 1
         if self._beats % LOAD_EVERY == 1:
             self.monitor._call(self.client.put, _key(LOADS, self._member), json.dumps(load),
@@ -387,6 +513,7 @@ class EtcdSession(MemberSession):
 
     def leave(self) -> None:
         if self._lease is not None:
+            self.monitor._say_departure(self._member.incarnation, "left")
             self.monitor._call(self._lease.revoke)
             self._lease = None
 

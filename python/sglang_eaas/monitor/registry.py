@@ -1,10 +1,18 @@
 """``Registry``: the monitor's state, the members of the tier and the revision they are at.
 
-Every change of membership (a registration, a status change, a departure) bumps the revision and
-wakes the watchers; heartbeats only refresh a member's clock and load. A member is *lost* when
-its session closes or it misses heartbeats for ``loss_timeout`` seconds (``expire``), *evicted*
-when a client reports that it timed out; either way it must register again, as a new
-incarnation, to be used again.
+Every change of membership (a registration, a status change, a suspicion, a departure) bumps
+the revision and wakes the watchers; heartbeats only refresh a member's clock and load.
+
+Failure detection has two stages (docs/fault-tolerance.md, "Suspected, then lost"). A member
+that misses heartbeats for ``suspect_timeout`` seconds is *suspected* (``Member.suspected``):
+clients route its experts to their other holders, nothing else changes, and its next heartbeat
+clears it. It is *lost* when the data path confirms (its session closes: the process died; a
+client reports that it did not answer within the result timeout, an *eviction*) or when it has
+missed heartbeats for the much longer ``loss_timeout``. A lost or evicted member must register
+again, as a new incarnation, to be used again.
+
+A monitor that was itself not running (a stall of its own process on a loaded host) saw no
+heartbeats in that time: ``expire`` does not count the time it was late against the members.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.protocol.lines import ControlError
-from sglang_eaas.protocol.monitor import SERVER, Departure, Member, Snapshot
+from sglang_eaas.protocol.monitor import SERVER, Departure, Member, Snapshot, loss_reason
 
 logger = logging.getLogger(__name__)
 DEPARTURES_KEPT = 64
@@ -29,11 +37,15 @@ class _Entry:
     member: Member
     session: object  # the connection that registered it
     last_beat: float
+    period: float = 0.0  # its heartbeat period, as it registered
+    suspected_at: float = 0.0  # when it was suspected (0: it is not)
 
 
 class Registry:
-    def __init__(self, loss_timeout: float):
+    def __init__(self, loss_timeout: float, suspect_timeout: float | None = None):
+        """``suspect_timeout``: defaults to ``loss_timeout`` (one stage)."""
         self.loss_timeout = loss_timeout
+        self.suspect_timeout = min(loss_timeout, suspect_timeout or loss_timeout)
         self._cond = threading.Condition()
         self.revision = 0
         self._entries: dict[tuple[str, str], _Entry] = {}
@@ -45,14 +57,15 @@ class Registry:
         self.revision += 1
         self._cond.notify_all()
 
-    def register(self, member: Member, session: object) -> Member:
-        """Add ``member`` as a new incarnation (replacing an older one of the same id)."""
-        member = replace(member, incarnation=secrets.token_hex(8), beat_age=0.0)
+    def register(self, member: Member, session: object, period: float = 0.0) -> Member:
+        """Add ``member`` as a new incarnation (replacing an older one of the same id) that
+        heartbeats every ``period`` seconds."""
+        member = replace(member, incarnation=secrets.token_hex(8), beat_age=0.0, suspected=False)
         with self._cond:
             old = self._entries.get(member.key())
             if old is not None:
                 self._depart(old, "replaced by a new incarnation")
-            self._entries[member.key()] = _Entry(member, session, time.monotonic())
+            self._entries[member.key()] = _Entry(member, session, time.monotonic(), period)
             self._incarnations[member.incarnation] = member.key()
             self.counters[f"{member.kind}s_registered"] += 1
             self._bump()
@@ -80,9 +93,34 @@ class Registry:
     def heartbeat(self, incarnation: str, load: dict, session: object) -> int:
         with self._cond:
             entry = self._entry(incarnation, session)
-            entry.last_beat = time.monotonic()
+            now = time.monotonic()
+            self._count_gap(entry, now - entry.last_beat)
+            if entry.suspected_at:
+                self._clear(entry, now)
+            entry.last_beat = now
             entry.member = replace(entry.member, load=load)
             return self.revision
+
+    def _count_gap(self, entry: _Entry, gap: float) -> None:
+        """Under the lock: the cadence heartbeats keep, by kind of member: the longest gap
+        seen (ms), and how many gaps were over twice the member's period (``late``)."""
+        kind = entry.member.kind
+        longest = f"{kind}s_max_heartbeat_gap_ms"
+        self.counters[longest] = max(self.counters[longest], round(gap * 1000))
+        self.counters[f"{kind}s_heartbeats"] += 1
+        if entry.period and gap > 2 * entry.period:
+            self.counters[f"{kind}s_heartbeats_late"] += 1
+
+    def _clear(self, entry: _Entry, now: float) -> None:
+        """Under the lock: a suspected member heartbeated again: no longer suspected, with no
+        other change."""
+        member = entry.member
+        entry.suspected_at = 0.0
+        entry.member = replace(member, suspected=False)
+        self.counters["suspicions_cleared"] += 1
+        self._bump()
+        logger.info("%s %s heartbeats again after %.2fs: no longer suspected", member.kind,
+                    member.id, now - entry.last_beat)
 
     def set_status(self, incarnation: str, status: str, session: object) -> int:
         with self._cond:
@@ -122,13 +160,36 @@ class Registry:
             self._depart(entry, f"evicted: {why}")
             return True
 
-    def expire(self) -> None:
-        """Lose every member whose last heartbeat is older than ``loss_timeout``."""
+    def expire(self, absent: float = 0.0) -> None:
+        """Suspect every member whose last heartbeat is older than ``suspect_timeout``, lose
+        every one older than ``loss_timeout``. ``absent``: seconds the caller itself was not
+        running since its last call (more than it meant to sleep): heartbeats of that time may
+        still be unread, so it is not counted against anyone."""
         now = time.monotonic()
         with self._cond:
-            for entry in [e for e in self._entries.values()
-                          if now - e.last_beat > self.loss_timeout]:
-                self._depart(entry, f"lost: no heartbeat for {now - entry.last_beat:.2f}s")
+            if absent > 0:
+                for entry in self._entries.values():
+                    entry.last_beat = min(now, entry.last_beat + absent)
+                self.counters["monitor_stalls"] += 1
+                logger.warning("the monitor was not running for %.2fs (a loaded host?): that "
+                               "time is not counted against the members' heartbeats", absent)
+            for entry in list(self._entries.values()):
+                age = now - entry.last_beat
+                if age > self.loss_timeout:
+                    self._depart(entry, f"lost: no heartbeat for {age:.2f}s")
+                elif age > self.suspect_timeout and not entry.suspected_at:
+                    self._suspect(entry, now, age)
+
+    def _suspect(self, entry: _Entry, now: float, age: float) -> None:
+        member = entry.member
+        entry.suspected_at = now
+        entry.member = replace(member, suspected=True)
+        self.counters["suspicions"] += 1
+        self.counters[f"{member.kind}s_suspected"] += 1
+        self._bump()
+        logger.warning("%s %s (incarnation %s) suspected: no heartbeat for %.2fs (lost after "
+                       "%.1fs without one, or at once if the data path confirms)", member.kind,
+                       member.id, member.incarnation, age, self.loss_timeout)
 
     def _depart(self, entry: _Entry, why: str) -> None:
         """Under the lock: drop ``entry``, record why, wake the watchers."""
@@ -138,6 +199,9 @@ class Registry:
         self._departures.append(Departure(member.kind, member.id, member.incarnation, why,
                                           self.revision + 1))
         self.counters[f"{member.kind}s_{why.split(':')[0].split(' ')[0]}"] += 1
+        reason = loss_reason(why)
+        if reason not in ("left", "replaced"):
+            self.counters[f"losses_{reason}"] += 1
         self._bump()
         log = logger.info if why == "left" else logger.warning
         log("%s %s (incarnation %s) %s", member.kind, member.id, member.incarnation, why)
@@ -145,7 +209,7 @@ class Registry:
     def snapshot(self) -> Snapshot:
         now = time.monotonic()
         with self._cond:
-            members = tuple(replace(e.member, beat_age=round(now - e.last_beat, 3))
+            members = tuple(replace(e.member, beat_age=round(max(0.0, now - e.last_beat), 3))
                             for e in self._entries.values())
             return Snapshot(self.revision, members, tuple(self._departures))
 

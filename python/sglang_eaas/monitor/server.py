@@ -1,11 +1,11 @@
 """``MonitorServer``: the embedded or standalone monitor every client and server heartbeats.
 
 An ``endpoint.LineEndpoint`` (authentication first, bounded lines, refusals counted by reason)
-whose sessions act on one ``Registry``, and a reaper thread that loses members whose heartbeats
-stopped. A server's registration is checked against the server itself: the monitor asks the
-control address it registers under for its model fingerprint, experts and pid, and refuses
-(``forged_registration``) a registration they do not match, so nothing can announce experts
-that no server at that address holds.
+whose sessions act on one ``Registry``, and a reaper thread that suspects, then loses, members
+whose heartbeats stopped (``registry.py``). A server's registration is checked against the
+server itself: the monitor asks the control address it registers under for its model
+fingerprint, experts and pid, and refuses (``forged_registration``) a registration they do not
+match, so nothing can announce experts that no server at that address holds.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import json
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ibgda import TransportError
 from sglang_eaas.endpoint import LineEndpoint
+from sglang_eaas.membership import LOSS_TIMEOUT, SUSPECT_TIMEOUT
 from sglang_eaas.monitor.operations import OperationLog
 from sglang_eaas.monitor.registry import Registry
 from sglang_eaas.protocol import control
@@ -41,7 +43,10 @@ class MonitorConfig:
     host: str = "127.0.0.1"
     port: int = 0
     token: str = ""
-    loss_timeout: float = 0.6  # seconds without a heartbeat before a member is lost
+    # seconds without a heartbeat before a member is lost, and before it is suspected (None:
+    # SUSPECT_TIMEOUT, or the loss timeout if that is shorter)
+    loss_timeout: float = LOSS_TIMEOUT
+    suspect_timeout: float | None = None
     verify_servers: bool = True  # check a server's registration against the server
     # seconds a restarted monitor refuses new operation leases while the servers say one was
     # granted before it started (its holder reclaims it meanwhile: monitor/operations.py)
@@ -51,7 +56,9 @@ class MonitorConfig:
 class MonitorServer:
     def __init__(self, config: MonitorConfig):
         self.config = config
-        self.registry = Registry(config.loss_timeout)
+        self.registry = Registry(config.loss_timeout,
+                                 config.suspect_timeout or min(SUSPECT_TIMEOUT,
+                                                               config.loss_timeout))
         self.operations = OperationLog(config.operation_grace)
         self.endpoint = LineEndpoint((config.host, config.port), config.token,
                                      lambda conn: _Session(self, conn), "eaas-monitor")
@@ -69,9 +76,17 @@ class MonitorServer:
         return self
 
     def _reap(self) -> None:
-        period = self.config.loss_timeout / 12
+        """Every twelfth of the suspect timeout: suspect and lose members (``Registry.expire``),
+        telling it for how long this thread was not running past its sleep (this process
+        stalled: the heartbeats of that time may be unread yet), if that was more than half a
+        suspect timeout."""
+        period = self.registry.suspect_timeout / 12
+        woke = time.monotonic()
         while not self._stop.wait(period):
-            self.registry.expire()
+            now = time.monotonic()
+            late = now - woke - period
+            woke = now
+            self.registry.expire(late if late > self.registry.suspect_timeout / 2 else 0.0)
             self.operations.expire()
 
     def verify(self, member: Member) -> None:
@@ -117,16 +132,17 @@ class _Session:
         registry = self.registry
         if op == "register":
             register = Register.from_message(message)
-            member, loss = register.member, registry.loss_timeout
-            if not 0 < register.heartbeat <= loss / 2:
+            member, suspect = register.member, registry.suspect_timeout
+            if not 0 < register.heartbeat <= suspect / 2:
                 raise ControlError("bad_field", f"a heartbeat period of {register.heartbeat}s "
-                                   f"is too slow for this monitor's loss timeout of {loss}s "
-                                   "(at most half of it)")
+                                   f"is too slow for this monitor's suspect timeout of "
+                                   f"{suspect}s (at most half of it)")
             if member.kind == SERVER and self.monitor.config.verify_servers:
                 self.monitor.verify(member)
-            member = registry.register(member, self)
+            member = registry.register(member, self, register.heartbeat)
             self.monitor.operations.learn_epoch(member.epoch)
-            return Registered(member.incarnation, registry.revision, loss)
+            return Registered(member.incarnation, registry.revision, registry.loss_timeout,
+                              suspect)
         if op == "heartbeat":
             beat = Heartbeat.from_message(message)
             return Revision(registry.heartbeat(beat.incarnation, beat.load, self))

@@ -4,7 +4,8 @@ Over the authenticated JSON-line channel (``protocol/lines.py``), on one connect
 (its *session*: the member is lost when the session closes or its heartbeats stop), each request
 a record here that names its op and its reply's record:
 
-    Register ("register")         -> Registered: the incarnation, revision and loss timeout
+    Register ("register")         -> Registered: the incarnation, revision, suspect and loss
+                                     timeouts
     Heartbeat ("heartbeat")       -> Revision; refused ("unknown_incarnation") once lost:
                                      register again
     SetStatus ("set_status")      -> Revision
@@ -67,6 +68,9 @@ class Member(Message):
     holdings: ServerHoldings = field(default_factory=ServerHoldings)
     load: dict = field(default_factory=dict)  # counters from the last heartbeat
     beat_age: float = 0.0  # seconds since the last heartbeat, when a snapshot was taken
+    # no heartbeat for the suspect timeout, not lost (yet): clients prefer its experts' other
+    # holders; its next heartbeat clears it (the monitor's, like beat_age)
+    suspected: bool = False
     # servers: the newest operation epoch they obeyed (protocol/operations.py), so a monitor
     # that restarted never grants a lease older than what the servers have seen
     epoch: int = 0
@@ -110,8 +114,27 @@ class Departure:
     kind: str
     id: str
     incarnation: str
-    why: str  # "left", "lost: no heartbeat for 0.6s", "lost: connection closed", "evicted: ..."
+    why: str  # "left", "lost: no heartbeat for 10.2s", "lost: connection closed", "evicted: ..."
     revision: int
+
+    @property
+    def reason(self) -> str:
+        return loss_reason(self.why)
+
+
+def loss_reason(why: str) -> str:
+    """A departure's reason, as counted (``losses_REASON``, ``sglang_eaas_server_losses``):
+    ``heartbeat`` (no heartbeat for the loss timeout), ``result_timeout`` (a client reported
+    that it did not answer in time: an eviction, the data path's confirmation), ``replaced``
+    (a new incarnation of it registered), ``left``, else ``connection_closed`` (its process
+    died, or the network closed its monitor connection)."""
+    if why.startswith("lost: no heartbeat"):
+        return "heartbeat"
+    if why.startswith("evicted"):
+        return "result_timeout"
+    if why.startswith("replaced"):
+        return "replaced"
+    return "left" if why == "left" else "connection_closed"
 
 
 @dataclass(frozen=True)
@@ -167,6 +190,7 @@ class Registered(Message):
     incarnation: str
     revision: int
     loss_timeout: float
+    suspect_timeout: float
 
 
 @dataclass(frozen=True)
@@ -221,7 +245,7 @@ class MonitorStats(Message):
 # -- requests ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Register(Request):
-    member: Member  # incarnation and beat_age are the monitor's
+    member: Member  # incarnation, beat_age and suspected are the monitor's
     heartbeat: float  # the member's heartbeat period, seconds
 
     op = "register"
@@ -229,7 +253,7 @@ class Register(Request):
 
     def to_message(self) -> dict[str, Any]:
         member = {k: v for k, v in self.member.to_message().items()
-                  if k not in ("incarnation", "beat_age")}
+                  if k not in ("incarnation", "beat_age", "suspected")}
         return {"member": member, "heartbeat": self.heartbeat}
 
     @classmethod
