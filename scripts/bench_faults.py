@@ -57,7 +57,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="The default run takes about 3 minutes on 2 CPU cores (one server start, two "
-        "60 s runs). Run it on an otherwise idle machine.")
+        "60 s runs); --hog about 15 (2 timings x 2 conditions x 3 runs of about a minute). Run "
+        "it on an otherwise idle machine (--hog makes its own load).")
     p.add_argument("--servers", type=int, default=4, help="expert servers; default 4")
     p.add_argument("--replicas", type=int, default=3,
                    help="holders of each expert (at most --servers); default 3")
@@ -99,7 +100,7 @@ def parse_args() -> argparse.Namespace:
                    help="where the server logs go; default .cache/logs")
     p.add_argument("--out", type=Path, default=None,
                    help="markdown report; default .cache/bench/faults.md (replacement.md with "
-                   "--fault replace)")
+                   "--fault replace, detection.md with --hog)")
     p.add_argument("--plot", type=Path, default=None,
                    help="PNG of throughput over time; default: --out with .png (bench_paste "
                    "copies it to docs/img/)")
