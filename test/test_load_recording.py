@@ -172,7 +172,7 @@ def test_a_deepseek_sized_window_fits_the_monitor_and_a_crowd_does_not_break_it(
         def client(name: str):
             session = backend.session()
             sessions.append(session)
-            session.register(Member(CLIENT, name, "h", 1), 1.0)
+            session.register(Member(CLIENT, name, "h", 1), 0.3)
             session.heartbeat(window.to_message())
 
         client("c0")
