@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="The default run takes about 3 minutes on 2 CPU cores (one server start, two "
-        "60 s runs); --hog about 15 (2 timings x 2 conditions x 3 runs of about a minute). Run "
+        "60 s runs); --hog about 10 (2 timings x 2 conditions x 3 runs of about a minute). Run "
         "it on an otherwise idle machine (--hog makes its own load).")
     p.add_argument("--servers", type=int, default=4, help="expert servers; default 4")
     p.add_argument("--replicas", type=int, default=3,
