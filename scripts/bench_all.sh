@@ -17,7 +17,7 @@ runs=(
   "scripts/bench_faults.py"
   "scripts/bench_faults.py --fault stop --out .cache/bench/faults-stop.md"
   "scripts/bench_faults.py --fault replace --kills 2 --duration 40"
-  "scripts/bench_faults.py --hog"
+  "scripts/bench_faults.py --hog --memory-pressure 8"
   "scripts/bench_fabric.py"
   "scripts/bench_elastic.py"
   "scripts/bench_autoscale.py"
