@@ -24,7 +24,7 @@ from sglang_eaas.elastic.autoscaler import ACTS, AutoscalePolicy, AutoscaleSetti
 from sglang_eaas.elastic.layout_policy import LAYOUT_MODES, LayoutPolicy, LayoutSettings
 from sglang_eaas.esft.adapter import AdapterError, default_max_experts, load_adapter
 from sglang_eaas.membership import (
-    HEARTBEAT, LOSS_TIMEOUT, SUSPECT_TIMEOUT, MonitorSpec, parse_monitor,
+    HEARTBEAT, LOSS_TIMEOUT, SUSPECT_TIMEOUT, MonitorSpec, parse_monitor, suspect_timeout,
 )
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 from sglang_eaas.placement import PlacementError, PlacementFile, load_placement_file
@@ -545,7 +545,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
     monitor = args.eaas_monitor or parse_monitor("embedded")
     heartbeat = args.eaas_heartbeat or HEARTBEAT
     loss = args.eaas_loss_timeout or LOSS_TIMEOUT
-    suspect = args.eaas_suspect_timeout or min(SUSPECT_TIMEOUT, loss)
+    suspect = suspect_timeout(loss, args.eaas_suspect_timeout)
     for name in ("loss", "suspect"):
         if monitor.kind != "embedded" and getattr(args, f"eaas_{name}_timeout") is not None:
             raise ValueError(f"--eaas-{name}-timeout applies to an embedded monitor; a "

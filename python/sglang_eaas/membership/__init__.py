@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from sglang_eaas.addresses import AddressError, parse_address
 from sglang_eaas.membership.base import MemberLost, MemberSession, MonitorBackend
-from sglang_eaas.membership.timing import HEARTBEAT, LOSS_TIMEOUT, SUSPECT_TIMEOUT
+from sglang_eaas.membership.timing import (
+    HEARTBEAT, LOSS_TIMEOUT, SUSPECT_TIMEOUT, suspect_timeout,
+)
 from sglang_eaas.protocol.monitor import Snapshot
 
 EMBEDDED, TCP, ETCD = "embedded", "tcp", "etcd"
@@ -81,4 +83,5 @@ def current_snapshot(url: str, token: str) -> Snapshot:
 
 
 __all__ = ["MemberLost", "MemberSession", "MonitorBackend", "MonitorSpec", "connect",
-           "current_snapshot", "parse_monitor", "HEARTBEAT", "LOSS_TIMEOUT", "SUSPECT_TIMEOUT"]
+           "current_snapshot", "parse_monitor", "HEARTBEAT", "LOSS_TIMEOUT", "SUSPECT_TIMEOUT",
+           "suspect_timeout"]

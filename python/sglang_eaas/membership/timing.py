@@ -8,3 +8,9 @@
 HEARTBEAT = 0.3  # seconds between heartbeats
 SUSPECT_TIMEOUT = 1.0  # seconds without one before the member is suspected
 LOSS_TIMEOUT = 10.0  # seconds without one before the member is lost
+
+
+def suspect_timeout(loss: float, given: float | None = None) -> float:
+    """The suspect timeout of a monitor losing members after ``loss`` seconds: ``given``, else
+    ``SUSPECT_TIMEOUT`` or ``loss`` if that is shorter (one stage)."""
+    return given if given is not None else min(SUSPECT_TIMEOUT, loss)

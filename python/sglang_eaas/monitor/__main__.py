@@ -11,7 +11,7 @@ import threading
 
 from sglang_eaas import envs
 from sglang_eaas.addresses import AddressError, parse_address
-from sglang_eaas.membership import LOSS_TIMEOUT, SUSPECT_TIMEOUT
+from sglang_eaas.membership import LOSS_TIMEOUT, SUSPECT_TIMEOUT, suspect_timeout
 from sglang_eaas.protocol.operations import LEASE_TTL
 
 
@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"the monitor needs a shared token: pass --token or set {envs.TOKEN.name}")
     if not args.loss_timeout > 0:
         p.error("--loss-timeout must be > 0")
-    suspect = min(SUSPECT_TIMEOUT, args.loss_timeout) if args.suspect_timeout is None \
-        else args.suspect_timeout
+    suspect = suspect_timeout(args.loss_timeout, args.suspect_timeout)
     if not 0 < suspect <= args.loss_timeout:
         p.error(f"--suspect-timeout must be > 0 and at most the loss timeout "
                 f"({args.loss_timeout}s), got {suspect}")

@@ -20,7 +20,7 @@ from typing import Any
 
 from ibgda import TransportError
 from sglang_eaas.endpoint import LineEndpoint
-from sglang_eaas.membership import LOSS_TIMEOUT, SUSPECT_TIMEOUT
+from sglang_eaas.membership import LOSS_TIMEOUT, suspect_timeout
 from sglang_eaas.monitor.operations import OperationLog
 from sglang_eaas.monitor.registry import Registry
 from sglang_eaas.protocol import control
@@ -57,8 +57,7 @@ class MonitorServer:
     def __init__(self, config: MonitorConfig):
         self.config = config
         self.registry = Registry(config.loss_timeout,
-                                 config.suspect_timeout or min(SUSPECT_TIMEOUT,
-                                                               config.loss_timeout))
+                                 suspect_timeout(config.loss_timeout, config.suspect_timeout))
         self.operations = OperationLog(config.operation_grace)
         self.endpoint = LineEndpoint((config.host, config.port), config.token,
                                      lambda conn: _Session(self, conn), "eaas-monitor")
