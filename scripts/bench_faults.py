@@ -57,7 +57,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="The default run takes about 3 minutes on 2 CPU cores (one server start, two "
-        "60 s runs); --hog about 10 (2 timings x 2 conditions x 3 runs of about a minute). Run "
+        "60 s runs); --hog about 10 (2 timings x 2 conditions x 3 runs of about a minute), 5 "
+        "more per condition added; --hog --sglang about 2 plus 3 windows per condition. Run "
         "it on an otherwise idle machine (--hog makes its own load).")
     p.add_argument("--servers", type=int, default=4, help="expert servers; default 4")
     p.add_argument("--replicas", type=int, default=3,
@@ -71,8 +72,9 @@ def parse_args() -> argparse.Namespace:
                    "server's experts instead; default kill")
     p.add_argument("--duration", type=float, default=60.0,
                    help="seconds of load per run; default 60")
-    p.add_argument("--concurrency", type=int, default=8,
-                   help="concurrent streaming requests, each replaced when it ends; default 8")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="concurrent streaming requests, each replaced when it ends; default 8 "
+                   "(12 with --sglang)")
     p.add_argument("--input-len", type=int, default=16, help="prompt tokens; default 16")
     p.add_argument("--output-len", type=int, default=256,
                    help="tokens per request (ignore_eos); default 256")
@@ -88,6 +90,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--memory-pressure", type=float, default=0.0, metavar="GB",
                    help="with --hog: a third condition, the hog plus a process holding and "
                    "touching this many GB; default none")
+    p.add_argument("--fsync-writer", action="store_true",
+                   help="with --hog: one more condition, the hog plus a process writing and "
+                   "fsyncing a file under .cache (a neighbour's checkpoint or log)")
+    p.add_argument("--sglang", action="store_true",
+                   help="with --hog: instead of the detector's table, the heartbeats' cadence "
+                   "with SGLang in the loop (bench_lib/detection_serving.py): a monitor with "
+                   "the default timings, 2 expert servers holding every expert, SGLang --eaas "
+                   "with default flags serving --concurrency greedy streams (default 12 here), "
+                   "a --window per condition and run")
     p.add_argument("--runs", type=int, default=3,
                    help="with --hog: measurements per timings and condition; default 3")
     p.add_argument("--window", type=float, default=20.0,
@@ -110,10 +121,14 @@ def parse_args() -> argparse.Namespace:
             p.error("--hog needs 1-256 processes, --runs >= 1, --window >= 5, --tokens >= 1")
         if args.memory_pressure < 0:
             p.error("--memory-pressure must be >= 0 GB")
-        args.out = args.out or default_out("detection")
+        args.concurrency = 12 if args.concurrency is None else args.concurrency
+        if args.concurrency < 1:
+            p.error("--concurrency must be >= 1")
+        args.out = args.out or default_out("detection-sglang" if args.sglang else "detection")
         return args
-    if args.memory_pressure:
-        p.error("--memory-pressure applies with --hog")
+    if args.memory_pressure or args.fsync_writer or args.sglang:
+        p.error("--memory-pressure, --fsync-writer and --sglang apply with --hog")
+    args.concurrency = 8 if args.concurrency is None else args.concurrency
     args.out = args.out or default_out("replacement" if args.fault == "replace" else "faults")
     args.plot = args.plot or args.out.with_suffix(".png")
     if not 1 <= args.replicas <= args.servers:
@@ -215,17 +230,25 @@ def detection_study(args, report: Report, model: Path) -> int:
     from bench_lib.hog import Hog
 
     os.environ.setdefault(envs.TOKEN.name, os.urandom(16).hex())
-    conditions = {"quiet": None, f"hog: {args.hog} busy processes": (args.hog, 0.0)}
+    conditions = {"quiet": None,
+                  f"hog: {args.hog} busy processes": lambda: Hog(args.hog)}
+    if args.fsync_writer:
+        disk = ROOT / ".cache"
+        conditions["hog + a writer fsyncing 1 MB blocks"] = lambda: Hog(args.hog,
+                                                                        write_to=str(disk))
     if args.memory_pressure:
-        conditions[f"hog + {args.memory_pressure:g} GB held"] = (args.hog, args.memory_pressure)
+        conditions[f"hog + {args.memory_pressure:g} GB held"] = lambda: Hog(
+            args.hog, args.memory_pressure)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    if args.sglang:
+        return _serving_study(args, report, model, conditions)
     results: dict[tuple[str, str], list] = {}
     log_path = args.log_dir / "bench-detection-servers.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     notes = []
     with open(log_path, "w") as log:
         for run in range(args.runs):
-            for condition, hog in conditions.items():
-                with (Hog(*hog) if hog else contextlib.nullcontext()):
+            for condition, make in conditions.items():
+                with (make() if make else contextlib.nullcontext()):
                     for timings, values in detection.TIMINGS.items():
                         say(f"run {run + 1}/{args.runs}, {condition}, {timings}")
                         measured = detection.measure(model, values, args.window, args.tokens,
@@ -246,6 +269,29 @@ def detection_study(args, report: Report, model: Path) -> int:
         "Against the strongest baseline for detection time (the one-stage timings, which drop "
         "a member soonest), in the same run:", *detection.ratios(results),
         *(["", "Notes: " + "; ".join(notes)] if notes else [])]))
+    report.save()
+    return 0
+
+
+def _serving_study(args, report: Report, model: Path, conditions: dict) -> int:
+    """``--hog --sglang``: the heartbeats' cadence with SGLang serving
+    (bench_lib/detection_serving.py)."""
+    from bench_lib import detection_serving as serving
+    from sglang_eaas.membership import HEARTBEAT, LOSS_TIMEOUT, SUSPECT_TIMEOUT
+
+    results = serving.serve(model, conditions, args.runs, args.window, args.concurrency,
+                            args.log_dir)
+    report.add("\n".join([
+        f"Heartbeats with SGLang in the loop (`bench_faults.py --hog --sglang`): a monitor with "
+        f"the default timings (heartbeat {HEARTBEAT:g} s, suspect {SUSPECT_TIMEOUT:g} s, loss "
+        f"{LOSS_TIMEOUT:g} s), 2 expert servers each holding every expert of the bench "
+        f"checkpoint, SGLang --eaas with default flags serving {args.concurrency} closed loops "
+        f"of greedy streams ({serving.INPUT_LEN} random prompt tokens, {serving.OUTPUT_LEN} "
+        f"output tokens); a {args.window:g} s window per condition and run, median [min-max] "
+        f"of {args.runs} runs. Nothing failed: every suspicion and loss is false. A gap over "
+        f"{serving.ONE_STAGE_LOSS:g} s would have been a false loss for the one-stage detector "
+        f"of before (an embedded monitor's loss timeout):",
+        "", *serving.table(results)]))
     report.save()
     return 0
 

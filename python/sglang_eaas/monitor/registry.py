@@ -23,6 +23,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.protocol.lines import ControlError
@@ -52,6 +53,9 @@ class Registry:
         self._incarnations: dict[str, tuple[str, str]] = {}
         self._departures: collections.deque[Departure] = collections.deque(maxlen=DEPARTURES_KEPT)
         self.counters: collections.Counter[str] = collections.Counter()
+        # called under the lock with (kind, member id, seconds) for every gap between two
+        # heartbeats: how a benchmark sees the cadence of one window, not only the longest gap
+        self.gap_listeners: list[Callable[[str, str, float], None]] = []
 
     def _bump(self) -> None:
         self.revision += 1
@@ -110,6 +114,8 @@ class Registry:
         self.counters[f"{kind}s_heartbeats"] += 1
         if entry.period and gap > 2 * entry.period:
             self.counters[f"{kind}s_heartbeats_late"] += 1
+        for listener in self.gap_listeners:
+            listener(kind, entry.member.id, gap)
 
     def _clear(self, entry: _Entry, now: float) -> None:
         """Under the lock: a suspected member heartbeated again: no longer suspected, with no
