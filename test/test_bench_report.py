@@ -26,6 +26,12 @@ def test_header_names_command_commit_date_and_machine():
                      text)
     assert "- command: `" in text and "torch " in text and "sglang " in text
     assert f"{__import__('os').cpu_count()} cores" in text
+    flags = next(line for line in lines if line.startswith("- CPU flags: "))
+    cpuinfo = open("/proc/cpuinfo").read()
+    have = set(next(line for line in cpuinfo.splitlines()
+                    if line.startswith("flags")).partition(":")[2].split())
+    for flag in ("avx2", "avx512f", "avx512_bf16"):  # the kernels' two paths are told apart
+        assert (flag in flags.split()) == (flag in have), (flag, flags)
 
 
 def test_paste_refills_every_block_from_its_file_and_nothing_else(tmp_path):

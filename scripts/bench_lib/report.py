@@ -1,9 +1,10 @@
 """What every benchmark prints above its tables, and the file its report is saved to.
 
 The header says how the numbers were made: the exact command line, the commit (``-dirty`` when
-tracked files have uncommitted changes), the UTC date, the machine (cores, CPU model, load) and
-the torch/SGLang versions. ``Report`` prints the header and the result sections as they come and
-saves them, together, to a markdown file the docs can paste (progress lines are not saved).
+tracked files have uncommitted changes), the UTC date, the machine (cores, CPU model, load, the
+CPU flags kernels depend on) and the torch/SGLang versions. ``Report`` prints the header and
+the result sections as they come and saves them, together, to a markdown file the docs can
+paste (progress lines are not saved).
 """
 
 from __future__ import annotations
@@ -47,6 +48,24 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+# the instruction sets a CPU kernel's path depends on (the expert server's kernel, torch's GEMMs)
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
+                "amx_tile")
+
+
+def cpu_flags() -> str:
+    """Which of ``KERNEL_FLAGS`` the CPU has, from /proc/cpuinfo (Linux; else 'unknown')."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.partition(":")[2].split())
+                return " ".join(f for f in KERNEL_FLAGS if f in have) or "none of " + " ".join(
+                    KERNEL_FLAGS)
+    except OSError:
+        pass
+    return "unknown"
+
+
 def package_version(name: str) -> str:
     try:
         return metadata.version(name)
@@ -64,6 +83,7 @@ def header_lines() -> list[str]:
         f"- machine: {os.cpu_count()} cores ({cpu_model()}), load average at start {load} "
         f"(1, 5, 15 min); Python {platform.python_version()}, torch "
         f"{package_version('torch')}, sglang {package_version('sglang')}",
+        f"- CPU flags: {cpu_flags()}",
     ]
 
 
