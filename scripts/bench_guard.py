@@ -15,6 +15,7 @@ ratios of one run.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
 import statistics
@@ -97,7 +98,17 @@ def checkout(commit: str) -> Path:
 
 
 def python_path(tree: Path) -> str:
-    return ":".join(str(p) for p in (tree / "python", tree, tree / "sgl-kernel-ext"))
+    """PYTHONPATH that makes a child process import the plugin from ``tree``; checked, so the
+    two sides can never silently be the same code."""
+    path = ":".join(str(p) for p in (tree / "python", tree, tree / "sgl-kernel-ext"))
+    probe = "import sglang_eaas; print(sglang_eaas.__file__)"
+    found = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": path},
+                           capture_output=True, text=True)
+    where = found.stdout.strip() or found.stderr.strip()
+    if not where.startswith(str(tree)):
+        raise subprocess.CalledProcessError(found.returncode, "import sglang_eaas",
+                                            stderr=f"it imports from {where}, not {tree}")
+    return path
 
 
 def measure(tree_env: dict, model: Path, extra: tuple[str, ...], name: str,
