@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -46,7 +47,11 @@ SETTINGS = ("monolithic", "pd", "pd+eaas")
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="The default run takes about 10 minutes on 2 CPU cores (three deployments).")
+        epilog="Each run takes about 10 minutes on 2 CPU cores (three deployments): about 30 "
+        "with the default 3 runs.")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="runs, each deploying every setting with its own monolithic "
+                        "baseline; default 3")
     parser.add_argument("--concurrency", type=int, default=8,
                         help="bench_serving --max-concurrency; default 8")
     parser.add_argument("--prompts-per-slot", type=int, default=4,
@@ -71,10 +76,11 @@ def parse_args() -> argparse.Namespace:
     unknown = sorted(set(args.settings) - set(SETTINGS))
     if unknown:
         parser.error(f"--settings: unknown {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
-    if min(args.concurrency, args.prompts_per_slot, args.input_len, args.expert_servers) < 1 \
+    if min(args.concurrency, args.prompts_per_slot, args.input_len, args.expert_servers,
+           args.runs) < 1 \
             or args.output_len < 4:
-        parser.error("--concurrency, --prompts-per-slot, --input-len and --expert-servers must "
-                     "be >= 1, --output-len >= 4 (bench_serving's minimum)")
+        parser.error("--concurrency, --prompts-per-slot, --input-len, --expert-servers and "
+                     "--runs must be >= 1, --output-len >= 4 (bench_serving's minimum)")
     return args
 
 
@@ -132,19 +138,31 @@ def bench_serving(url: str, model: Path, dataset: str, args: argparse.Namespace,
             "cpu_ms_by_role": {r: 1000 * c / tokens for r, c in by_role.items()}}
 
 
-def table(results: dict[str, dict[str, dict]], dataset: str) -> str:
-    base = results["monolithic"][dataset]
+def cell(values: list[float], fmt: str, suffix: str = "") -> str:
+    text = format(statistics.median(values), fmt) + suffix
+    return text + (f" [{format(min(values), fmt)}-{format(max(values), fmt)}]"
+                   if len(values) > 1 else "")
+
+
+def table(runs: list[dict[str, dict[str, dict]]], dataset: str) -> str:
+    """Median [min-max] over the runs; each ratio against the same run's monolithic."""
     cores = os.cpu_count()
     lines = ["| deployment | out tok/s | ratio | mean TTFT ms | ratio | mean TPOT ms | ratio | "
-             f"completed | CPU ms / out token | of which | {cores}-core bound tok/s |",
+             f"completed | CPU ms / out token | of which (median) | {cores}-core bound tok/s |",
              "|---|" + "---:|" * 8 + "---|---:|"]
-    for setting, by_dataset in results.items():
-        r = by_dataset[dataset]
-        cells = [f"{r[k]:.1f} | {r[k] / base[k]:.2f}x" for k in KEYS]
-        cpu = r["cpu_ms_per_token"]
-        split = ", ".join(f"{name} {ms:.1f}" for name, ms in r["cpu_ms_by_role"].items())
-        lines.append(f"| {setting} | " + " | ".join(cells) + f" | {r['completed']} | {cpu:.1f} "
-                     f"| {split} | {cores * 1000 / cpu:.0f} |")
+    for setting in runs[0]:
+        records = [run[setting][dataset] for run in runs]
+        bases = [run["monolithic"][dataset] for run in runs]
+        cells = [f"{cell([r[k] for r in records], '.1f')} | "
+                 f"{cell([r[k] / b[k] for r, b in zip(records, bases)], '.2f', 'x')}"
+                 for k in KEYS]
+        cpu = [r["cpu_ms_per_token"] for r in records]
+        by_role = {name: statistics.median(r["cpu_ms_by_role"][name] for r in records)
+                   for name in records[0]["cpu_ms_by_role"]}
+        split = ", ".join(f"{name} {ms:.1f}" for name, ms in by_role.items())
+        lines.append(f"| {setting} | " + " | ".join(cells) + " | "
+                     f"{cell([r['completed'] for r in records], '.0f')} | {cell(cpu, '.1f')} | "
+                     f"{split} | {cell([cores * 1000 / c for c in cpu], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -156,42 +174,49 @@ def main() -> int:
     conversations = args.prompts_per_slot * args.concurrency * 4  # bench_serving drops some
     sharegpt_file = sharegpt.write(args.log_dir / "sharegpt.json", conversations)
     datasets = ("random-ids", "sharegpt")
-    results: dict[str, dict[str, dict]] = {}
-    for setting in args.settings:
-        say(f"deploying {setting}")
-        started = time.monotonic()
-        cfg = parse_config(config(model, setting, args.expert_servers), setting)
-        try:
-            with Deployment(cfg, args.log_dir / setting.replace("+", "-"),
-                            progress=lambda line: print("  " + line, flush=True)) as deployment:
-                say(f"{setting} serving in {time.monotonic() - started:.0f} s at "
-                    f"{deployment.url}")
-                parts = {e.name: e.pid for e in deployment.endpoints()}
-                results[setting] = {}
-                for dataset in datasets:
-                    log = args.log_dir / f"bench-serving-{setting.replace('+', '-')}-{dataset}.log"
-                    record = bench_serving(deployment.url, model, dataset, args, sharegpt_file,
-                                           parts, log)
-                    results[setting][dataset] = record
-                    say(f"  {dataset}: {record['output_throughput']:.1f} output tok/s, TTFT "
-                        f"{record['mean_ttft_ms']:.0f} ms, TPOT {record['mean_tpot_ms']:.1f} ms, "
-                        f"{record['cpu_ms_per_token']:.1f} CPU ms per output token")
-        except DeployError as exc:
-            print(f"bench: error: {setting} did not deploy: {exc}", file=sys.stderr)
-            return 1
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            print(f"bench: error while measuring {setting}: {exc}", file=sys.stderr)
-            return 1
+    runs: list[dict[str, dict[str, dict]]] = []
+    for run in range(args.runs):
+        results: dict[str, dict[str, dict]] = {}
+        runs.append(results)
+        for setting in args.settings:
+            say(f"run {run + 1}/{args.runs}: deploying {setting}")
+            started = time.monotonic()
+            cfg = parse_config(config(model, setting, args.expert_servers), setting)
+            try:
+                with Deployment(cfg, args.log_dir / setting.replace("+", "-"),
+                                progress=lambda line: print("  " + line, flush=True)) as deployed:
+                    say(f"{setting} serving in {time.monotonic() - started:.0f} s at "
+                        f"{deployed.url}")
+                    parts = {e.name: e.pid for e in deployed.endpoints()}
+                    results[setting] = {}
+                    for dataset in datasets:
+                        name = setting.replace("+", "-")
+                        log = args.log_dir / f"bench-serving-{name}-{dataset}.log"
+                        record = bench_serving(deployed.url, model, dataset, args,
+                                               sharegpt_file, parts, log)
+                        results[setting][dataset] = record
+                        say(f"  {dataset}: {record['output_throughput']:.1f} output tok/s, "
+                            f"TTFT {record['mean_ttft_ms']:.0f} ms, TPOT "
+                            f"{record['mean_tpot_ms']:.1f} ms, "
+                            f"{record['cpu_ms_per_token']:.1f} CPU ms per output token")
+            except DeployError as exc:
+                print(f"bench: error: {setting} did not deploy: {exc}", file=sys.stderr)
+                return 1
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                print(f"bench: error while measuring {setting}: {exc}", file=sys.stderr)
+                return 1
     common = (f"`python -m sglang.bench_serving --backend sglang --num-prompts "
               f"{args.prompts_per_slot * args.concurrency} --max-concurrency {args.concurrency}` "
               f"against each deployment's router; bench checkpoint `{model.name}`; pd+eaas: "
-              f"{args.expert_servers} expert servers; ratio = setting / monolithic")
+              f"{args.expert_servers} expert servers; ratio = setting / the same run's "
+              f"monolithic; median [min-max] of {args.runs} runs, each deploying all three in "
+              f"turn")
     report.add(f"random-ids (`--random-input-len {args.input_len} --random-output-len "
                f"{args.output_len} --random-range-ratio 1.0`), {common}:\n\n"
-               + table(results, "random-ids"))
+               + table(runs, "random-ids"))
     report.add(f"ShareGPT format, {conversations} conversations cut from held-out stdlib "
                f"sources (`--sharegpt-output-len {args.output_len}`), {common}:\n\n"
-               + table(results, "sharegpt"))
+               + table(runs, "sharegpt"))
     report.save()
     return 0
 
