@@ -30,8 +30,9 @@ setup(
         # kubernetes-validate: the Kubernetes manifests in deploy/k8s checked against the API's
         # schemas (test/test_k8s_manifests.py).
         "test": ["pytest>=8", "hypothesis>=6", "requests>=2.31", "kubernetes-validate==1.37.0"],
-        # The benchmark scripts' plots; 'datasets' for SGLang's own python -m sglang.bench_serving.
-        "bench": ["matplotlib>=3.7", "datasets>=3"],
+        # The benchmark scripts' plots; 'datasets' for SGLang's own python -m sglang.bench_serving;
+        # py-spy for scripts/profile_step.py.
+        "bench": ["matplotlib>=3.7", "datasets>=3", "py-spy>=0.3"],
     },
     entry_points={
         "sglang.srt.plugins": ["eaas = sglang_eaas.plugin:register"],
