@@ -3,11 +3,17 @@ by the expert servers' own counters, on the trained checkpoint under SGLang ``--
 
 For each prompt mix (``bench_lib/live_balance_prompts.py``: held-out stdlib files, and mixes
 outside the training corpus) a fresh tier (``sglang_eaas.deploy.Deployment``): a standalone
-monitor, expert servers holding contiguous experts (0-7, 8-15, ... with 4 servers and 32
-experts) and one SGLang instance (``--eaas --dtype float32 --enable-metrics``) joined through
-the monitor. Then the workload (greedy requests, ``--concurrency`` at a time), ONE pass of
-``python -m sglang_eaas.tools.rebalance``, a wait until SGLang's client uses the new routing
-table, and the same workload again, whose tokens must equal the first run's.
+monitor, expert servers holding contiguous experts plus the first ``--extra-replicas`` of the
+next server's (0-9, 8-17, ... with 4 servers, 32 experts and 2: a placement that already has
+the slots the pass may use, so before and after hold the same number of expert copies and the
+gain is the placement's, not added memory's) and one SGLang instance (``--eaas --dtype float32
+--enable-metrics``) joined through the monitor. The mix's distinct prompts are split in two
+halves: the *measured* half runs first (greedy requests, ``--concurrency`` at a time), then the
+rebalance's state file is written from the servers' counters, then the *planning* half runs,
+then ONE pass of ``python -m sglang_eaas.tools.rebalance --state FILE --slots S`` (so it plans
+on the planning half alone, with the slots each server holds), a wait until SGLang's client
+uses the new routing table, and the measured half again, whose tokens must equal its first
+run's: the pass is judged on traffic it did not plan on.
 
 Per MoE layer, the busiest server's entries over the mean per server: over the whole workload
 (the servers' ``expert_load`` counters read before and after it), over ``--poll`` second
@@ -35,7 +41,7 @@ from sglang_eaas import cpu_runtime
 from sglang_eaas.deploy import DeployError, Deployment, parse_config
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 
-from bench_lib.live_balance_prompts import DESCRIBED, MIXES, prompts
+from bench_lib.live_balance_prompts import DESCRIBED, MIXES, halves
 from bench_lib.live_balance_run import run_mix
 from bench_lib.live_balance_report import GOAL, goal, layer_table, setup, summary_table
 from bench_lib.report import Report, default_out, say
@@ -66,6 +72,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--servers", type=int, default=4,
                    help="expert servers, each holding a contiguous share of the experts; "
                    "default 4")
+    p.add_argument("--extra-replicas", type=int, default=2,
+                   help="experts each server holds beyond its contiguous share (the next "
+                   "server's first ones): the slots the pass may use, held before it too; "
+                   "default 2")
     p.add_argument("--poll", type=float, default=2.0,
                    help="seconds between reads of the servers' counters during a workload "
                    "(the short-interval ratio); default 2")
@@ -91,6 +101,8 @@ def parse_args() -> argparse.Namespace:
                 f"{', '.join(MIXES)}")
     if min(args.requests, args.concurrency, args.max_new_tokens, args.attempts) < 1:
         p.error("--requests, --concurrency, --max-new-tokens and --attempts must be >= 1")
+    if args.extra_replicas < 0:
+        p.error(f"--extra-replicas must be >= 0, got {args.extra_replicas}")
     if args.servers < 2:
         p.error(f"--servers must be >= 2 (a balance needs two servers), got {args.servers}")
     if not 0.2 <= args.poll <= 60:
@@ -98,10 +110,20 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def contiguous(num_experts: int, servers: int) -> list[str]:
-    """Expert lists (``"A-B"``) of ``servers`` servers holding contiguous, even shares."""
-    return [f"{int(part[0])}-{int(part[-1])}"
-            for part in np.array_split(np.arange(num_experts), servers)]
+def contiguous(num_experts: int, servers: int, extra: int = 0) -> tuple[list[str], int]:
+    """Expert lists (``"A-B"`` or ``"A-B,C-D"``) of ``servers`` servers holding contiguous,
+    even shares, each also the first ``extra`` experts of the next server's share (wrapping
+    around); and the most experts any server holds (the slots per server)."""
+    parts = np.array_split(np.arange(num_experts), servers)
+    lists, most = [], 0
+    for i, part in enumerate(parts):
+        after = [int(e) for e in parts[(i + 1) % servers][:extra] if e not in part]
+        spans = [f"{int(part[0])}-{int(part[-1])}"]
+        if after:
+            spans.append(f"{after[0]}-{after[-1]}" if len(after) > 1 else str(after[0]))
+        lists.append(",".join(spans))
+        most = max(most, len(part) + len(after))
+    return lists, most
 
 
 def config(args: argparse.Namespace, experts: list[str]) -> dict:
@@ -114,14 +136,15 @@ def config(args: argparse.Namespace, experts: list[str]) -> dict:
                        "plain": {"count": 1}}}
 
 
-def one_mix(mix: str, args: argparse.Namespace, info: MoeModelInfo, experts: list[str]):
+def one_mix(mix: str, args: argparse.Namespace, info: MoeModelInfo, experts: list[str],
+            slots: int):
     """``mix`` on a fresh tier, stopped after."""
     say(f"{mix}: a fresh tier ({args.servers} expert servers: {', '.join(experts)})")
     cfg = parse_config(config(args, experts), f"live-balance-{mix}")
     with Deployment(cfg, args.log_dir / mix, progress=lambda line: say("  " + line)
                     ) as deployment, tempfile.TemporaryDirectory() as tmp:
-        return run_mix(deployment, mix, prompts(mix, args.requests), args, info,
-                       Path(tmp) / "rebalance-state.json", args.log_dir / mix, say)
+        return run_mix(deployment, mix, halves(mix, args.requests), args, info,
+                       Path(tmp) / "rebalance-state.json", args.log_dir / mix, say, slots)
 
 
 def main() -> int:
@@ -135,13 +158,18 @@ def main() -> int:
         print(f"bench_live_balance: error: --servers {args.servers} is more than the model's "
               f"{info.num_experts} experts", file=sys.stderr)
         return 2
-    experts = contiguous(info.num_experts, args.servers)
+    if args.servers + args.extra_replicas > info.num_experts:
+        print(f"bench_live_balance: error: --servers {args.servers} and --extra-replicas "
+              f"{args.extra_replicas} need more than the model's {info.num_experts} experts",
+              file=sys.stderr)
+        return 2
+    experts, slots = contiguous(info.num_experts, args.servers, args.extra_replicas)
     report = Report(args.out)
     results, retried = [], []
     for mix in args.mixes:
         for attempt in range(1, args.attempts + 1):
             try:
-                results.append(one_mix(mix, args, info, experts))
+                results.append(one_mix(mix, args, info, experts, slots))
                 break
             except DeployError as exc:
                 print(f"bench_live_balance: error: {mix}: the tier did not deploy: {exc}",

@@ -65,3 +65,25 @@ def test_rebalance_lines_in_both_forms():
     old = parse("  MoE layer 0: busiest server 1.50x the mean -> 1.05x (3 replicas to add)\n")
     assert (old.slots, old.measured, old.modelled, old.planned, old.adds) == (
         None, {}, {0: 1.50}, {0: 1.05}, {0: 3})
+
+
+def test_the_placement_before_holds_the_slots_the_pass_plans_with():
+    from bench_live_balance import contiguous
+
+    from sglang_eaas.placement import parse_expert_list
+
+    lists, slots = contiguous(32, 4, 2)
+    held = [parse_expert_list(spec, 32) for spec in lists]
+    assert slots == 10 and all(len(h) == 10 for h in held)
+    assert held[3] == [0, 1, *range(24, 32)]  # wraps around to the first server's share
+    assert sorted(set(sum(held, []))) == list(range(32))  # every expert held
+    assert contiguous(32, 4, 0) == (["0-7", "8-15", "16-23", "24-31"], 8)
+
+
+def test_the_pass_is_measured_on_prompts_it_did_not_plan_on():
+    from bench_lib.live_balance_prompts import MIXES, halves
+
+    for mix in MIXES:
+        plan, measured = halves(mix, 12)
+        assert len(plan) == len(measured) == 12
+        assert not set(plan) & set(measured), mix

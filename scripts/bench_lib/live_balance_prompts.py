@@ -9,7 +9,8 @@ from outside its training corpus (the interpreter's standard library).
 * ``prose``: English paragraphs.
 
 A mix's requests take its prompts in order, starting again from the first when there are fewer
-prompts than requests.
+prompts than requests. ``halves`` splits a mix's distinct prompts in two, one half to plan a
+rebalance on and the other, which it never saw, to measure it on.
 """
 
 from __future__ import annotations
@@ -147,8 +148,25 @@ DESCRIBED = {
 
 def prompts(mix: str, requests: int, max_chars: int = 1200) -> list[str]:
     """``requests`` prompts of ``mix`` (one of ``MIXES``), each at most ``max_chars`` long."""
-    if mix == "stdlib-held-out":
-        found = [c["conversations"][0]["value"] for c in sharegpt.conversations(requests)]
-    else:
-        found = list({"python-apps": PYTHON_APPS, "other-code": OTHER_CODE, "prose": PROSE}[mix])
+    found = _distinct(mix, requests)
     return [found[i % len(found)][:max_chars] for i in range(requests)]
+
+
+def _distinct(mix: str, wanted: int) -> list[str]:
+    if mix == "stdlib-held-out":
+        return [c["conversations"][0]["value"] for c in sharegpt.conversations(wanted)]
+    return list({"python-apps": PYTHON_APPS, "other-code": OTHER_CODE, "prose": PROSE}[mix])
+
+
+def halves(mix: str, requests: int, max_chars: int = 1200) -> tuple[list[str], list[str]]:
+    """The distinct prompts of ``mix`` split in two, in order: the first half (to plan on) and
+    the second (to measure on), each taken in order by ``requests`` requests, cycled."""
+    found = _distinct(mix, 2 * requests)
+    if len(found) < 2:
+        raise ValueError(f"mix {mix!r} has {len(found)} distinct prompts: two halves need 2")
+    half = len(found) // 2
+
+    def cycled(part: list[str]) -> list[str]:
+        return [part[i % len(part)][:max_chars] for i in range(requests)]
+
+    return cycled(found[:half]), cycled(found[half:])

@@ -23,20 +23,25 @@ def arrow(before: np.ndarray, after: np.ndarray) -> str:
 
 def setup(args, info, experts: list[str], results: list) -> str:
     slots = sorted({r.slots for r in results})
-    state = " --state FILE" if results and results[0].rebalanced.state else ""
+    state = " --state FILE"
     lines = [
         f"Checkpoint `{args.model.name}` ({len(info.moe_layers)} MoE layers x "
         f"{info.num_experts} experts, top-{info.top_k}) under SGLang `--eaas --dtype float32 "
-        f"--enable-metrics --disable-radix-cache` (so the run after the pass prefills what "
-        f"the run before did). Per mix a fresh tier (`sglang_eaas.deploy.Deployment`): a "
-        f"standalone monitor, {len(experts)} expert servers holding experts "
-        f"{', '.join(experts)}, one SGLang instance joined through the monitor. Workload: "
-        f"{args.requests} requests (the mix's prompts in order), {args.concurrency} at a time, "
-        f"{args.max_new_tokens} tokens each (greedy, `ignore_eos`), to the instance's "
-        f"`/generate`; then one `python -m sglang_eaas.tools.rebalance --monitor ADDR"
-        f"{state}` pass (its defaults: {', '.join(map(str, slots))} slots per MoE layer per "
-        "server), a wait until SGLang's client uses the new routing table, and the same "
-        "workload again.",
+        f"--enable-metrics --disable-radix-cache` (so a run again prefills what the run before "
+        f"did). Per mix a fresh tier (`sglang_eaas.deploy.Deployment`): a standalone monitor, "
+        f"{len(experts)} expert servers holding experts {', '.join(experts)} (contiguous "
+        f"shares plus {args.extra_replicas} of the next server's: {', '.join(map(str, slots))} "
+        f"slots per MoE layer per server before the pass, the same the pass plans with), one "
+        f"SGLang instance joined through the monitor. The mix's distinct prompts are split in "
+        f"two halves. Workloads: {args.requests} requests of one half (its prompts in order, "
+        f"cycled), {args.concurrency} at a time, {args.max_new_tokens} tokens each (greedy, "
+        f"`ignore_eos`), to the instance's `/generate`. In order: the **measured** half; the "
+        f"rebalance's state file written from the servers' counters; the **planning** half; "
+        f"one `python -m sglang_eaas.tools.rebalance --monitor ADDR{state} --slots S` pass "
+        f"(so it plans on the planning half alone); a wait until SGLang's client uses the new "
+        "routing table; the measured half again. Before and after are both the measured half, "
+        "which the pass never saw, on the same number of expert copies: the change is the "
+        "placement's, not added memory's.",
         "",
         "Each ratio is the busiest expert server's entries over the mean per server for one MoE "
         "layer; a cell gives the mean over the MoE layers / the worst layer. **Whole run**: "
@@ -50,12 +55,14 @@ def setup(args, info, experts: list[str], results: list) -> str:
         "placement on the load it planned on (each expert's entries split evenly over its "
         "holders). Then the load measured after the pass (entries per expert over the whole "
         "run) on the placement after it: **even split**, each expert's entries split evenly over "
-        "its holders (`balance.evaluate.layer_load`, fractional: the placer's model); **best "
+        "its holders (`balance.evaluate.layer_load`, fractional: the placer's model; the "
+        "measured ratio against it is what dealing by load adds over an even split); **best "
         "split**, split as evenly over the servers as the holders allow (a linear program over "
         "the run's totals: no dealing of the steps can do better over the run, so the measured "
         "whole-run ratio is at least this). **Bound**: the placer's own placement made from "
         "scratch for that measured load (`balance.placer.balance_model`, the same slots), "
-        "split evenly: what a placement with these slots reaches on it.",
+        "split evenly: what a placement with these slots reaches on it (it sees the measured "
+        "half; the pass did not).",
         "",
         "Mixes: " + "; ".join(f"`{r.mix}`: {DESCRIBED[r.mix]}" for r in results) + ".",
     ]
@@ -63,20 +70,23 @@ def setup(args, info, experts: list[str], results: list) -> str:
 
 
 def summary_table(results: list) -> str:
-    lines = ["| mix | whole run: before → after | short intervals: before → after | per "
-             "exchange: before → after | plan | best split | bound | replicas | tokens "
-             "identical |", "|---|" + "---:|" * 7 + "---|"]
+    lines = ["| mix | planning half, before (whole run) | measured half, whole run: before → "
+             "after | short intervals: before → after | per exchange: before → after | plan | "
+             "even split | best split | bound | replicas | tokens identical |",
+             "|---|" + "---:|" * 9 + "---|"]
     for r in results:
         b, a = r.before, r.after
         plan = np.array([r.rebalanced.planned.get(layer, np.nan)
                          for layer in sorted(r.rebalanced.planned)] or [np.nan])
         same = "yes" if not r.differing else f"NO ({r.differing} of {len(b.outputs)} differ)"
-        lines.append(f"| {r.mix} | {arrow(b.window, a.window)} | "
+        lines.append(f"| {r.mix} | {both(r.planned_on.window)} | "
+                     f"{arrow(b.window, a.window)} | "
                      f"{arrow(b.intervals, a.intervals)} | {arrow(b.exchange, a.exchange)} | "
-                     f"{both(plan)} | {both(r.best)} | {both(r.bound)} | {r.replicas} | "
-                     f"{same} |")
-    runs = [f"- `{r.mix}`: workload {r.before.seconds:.0f} s before, {r.after.seconds:.0f} s "
-            f"after ({r.before.polls} and {r.after.polls} intervals); SGLang on the new table "
+                     f"{both(plan)} | {both(r.even)} | {both(r.best)} | {both(r.bound)} | "
+                     f"{r.replicas} | {same} |")
+    runs = [f"- `{r.mix}`: measured half {r.before.seconds:.0f} s before, {r.after.seconds:.0f} s "
+            f"after ({r.before.polls} and {r.after.polls} intervals), planning half "
+            f"{r.planned_on.seconds:.0f} s; SGLang on the new table "
             f"{r.table_wait:.1f} s after the pass; entries a server computed after the pass for "
             f"an expert it no longer held: {r.stale}" for r in results]
     return "\n".join(lines) + "\n\n" + "\n".join(runs)

@@ -1,5 +1,6 @@
-"""bench_live_balance's one mix on a fresh tier: the workload before, one rebalance pass, the
-workload after, and what each measured (``MixResult``).
+"""bench_live_balance's one mix on a fresh tier: the measured half of the mix's prompts before,
+the planning half (the state file written right before it, so the pass plans on it alone), one
+rebalance pass, the measured half again after, and what each measured (``MixResult``).
 
 After the workload under the new placement, the load it measured (entries per (MoE layer,
 expert), summed over the servers) is evaluated three ways:
@@ -26,13 +27,14 @@ import numpy as np
 from sglang_eaas.balance.evaluate import layer_load
 from sglang_eaas.balance.live import tier_holdings
 from sglang_eaas.balance.placer import balance_model
+from sglang_eaas.balance.server_load import read_counters, write_state
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.membership import current_snapshot
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.tools.rebalance import default_slots
 
 from bench_lib import live_balance_measure as M
-from bench_lib.live_balance_tier import Rebalanced, rebalance, supports_state, workload
+from bench_lib.live_balance_tier import Rebalanced, rebalance, workload
 
 SETTLE = 3.0  # seconds the client's table epoch must stay put after the rebalance
 TABLE_TIMEOUT = 120.0
@@ -55,8 +57,9 @@ class Phase:
 @dataclass
 class MixResult:
     mix: str
-    before: Phase
-    after: Phase
+    before: Phase  # the measured half, on the placement before the pass
+    after: Phase  # the measured half again, after it
+    planned_on: Phase  # the planning half, before the pass: what the pass saw
     rebalanced: Rebalanced
     slots: int
     even: np.ndarray  # [L] the live placement, the after-load split evenly over holders
@@ -72,14 +75,18 @@ class MixResult:
         return sum(a != b for a, b in zip(self.before.outputs, self.after.outputs))
 
 
-def run_mix(deployment, mix: str, prompts: list[str], args, info: MoeModelInfo,
-            state: Path, log_dir: Path, say: Callable[[str], None]) -> MixResult:
+def run_mix(deployment, mix: str, halves: tuple[list[str], list[str]], args,
+            info: MoeModelInfo, state: Path, log_dir: Path, say: Callable[[str], None],
+            slots: int) -> MixResult:
+    """``halves``: (the prompts to plan on, the prompts to measure on); ``slots``: the
+    rebalance's ``--slots`` (what each server holds before it: the same memory after)."""
+    plan_prompts, prompts = halves
     url = next(e.address for e in deployment.endpoints() if e.name.startswith("plain"))
     addresses = [c.address for c in deployment.expert_servers]
     token, monitor = deployment.token, deployment.monitor_url
     layers, E = list(info.moe_layers), info.num_experts
 
-    def phase(label: str) -> Phase:
+    def phase(label: str, prompts: list[str]) -> Phase:
         say(f"  {mix}: {label}: {len(prompts)} requests, {args.concurrency} at a time, "
             f"{args.max_new_tokens} tokens each")
         read = lambda: M.read_counters(addresses, token, layers, E)  # noqa: E731
@@ -101,12 +108,16 @@ def run_mix(deployment, mix: str, prompts: list[str], args, info: MoeModelInfo,
             + ", ".join(f"{r:.2f}" for r in done.window))
         return done
 
-    before = phase("before the rebalance")
+    before = phase("measured half, before the rebalance", prompts)
+    counters, silent = read_counters(addresses, token)
+    if silent:
+        raise RuntimeError(f"servers did not give their counters: {silent}")
+    write_state(state, monitor, counters)  # the pass plans on what comes after this
+    planned_on = phase("planning half, before the rebalance", plan_prompts)
     current = tier_holdings(current_snapshot(monitor, token))[0]
     epoch = M.table_epoch(M.metrics_text(url))
-    say(f"  {mix}: one rebalance pass")
-    rebalanced = rebalance(monitor, token, state if supports_state() else None,
-                           log_dir / "rebalance.log", say)
+    say(f"  {mix}: one rebalance pass, planned on the planning half")
+    rebalanced = rebalance(monitor, token, state, log_dir / "rebalance.log", say, slots)
     waited = 0.0
     if sum(rebalanced.adds.values()):
         waited = M.wait_for_table(url, epoch, SETTLE, TABLE_TIMEOUT)
@@ -115,12 +126,12 @@ def run_mix(deployment, mix: str, prompts: list[str], args, info: MoeModelInfo,
     if set(live) != set(addresses):
         raise RuntimeError(f"the monitor's servers {sorted(live)} are not the deployment's "
                            f"{addresses}")
-    after = phase("after the rebalance")
+    after = phase("measured half, after the rebalance", prompts)
     slots = rebalanced.slots or default_slots(current, E)
     load = after.entries.sum(axis=0).astype(np.float64)  # [L, E]
     oracle = balance_model(load, layers, addresses, slots)
     return MixResult(
-        mix, before, after, rebalanced, slots,
+        mix, before, after, planned_on, rebalanced, slots,
         np.array([layer_load(live.layer(layer), load[i]).max_over_mean
                   for i, layer in enumerate(layers)]),
         np.array([best_split(live.layer(layer), load[i]) for i, layer in enumerate(layers)]),

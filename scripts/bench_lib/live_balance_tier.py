@@ -66,20 +66,15 @@ class Rebalanced:
     state: bool = False  # run with --state
 
 
-def supports_state() -> bool:
-    """Whether this checkout's rebalance takes ``--state`` (its last pass, kept in a file)."""
-    shown = subprocess.run([sys.executable, "-m", "sglang_eaas.tools.rebalance", "--help"],
-                           capture_output=True, text=True, timeout=120)
-    return "--state" in shown.stdout
-
-
 def rebalance(monitor: str, token: str, state: Path | None, log: Path,
-              say: Callable[[str], None]) -> Rebalanced:
-    """One pass (``--state state`` where given) with the token in its environment; its
-    output goes to ``log`` and, line by line, to ``say``."""
+              say: Callable[[str], None], slots: int | None = None) -> Rebalanced:
+    """One pass (``--state state`` and ``--slots slots`` where given) with the token in its
+    environment; its output goes to ``log`` and, line by line, to ``say``."""
     command = [sys.executable, "-m", "sglang_eaas.tools.rebalance", "--monitor", monitor]
     if state is not None:
         command += ["--state", str(state)]
+    if slots is not None:
+        command += ["--slots", str(slots)]
     env = {**os.environ, envs.TOKEN.name: token}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     log.write_text(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}")
