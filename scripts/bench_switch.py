@@ -2,13 +2,15 @@
 crossover), the cost model fitted to it, and the switch of the whole model: its time and the
 expert servers' peak memory (docs/switching.md; issue 22).
 
-Two expert servers of the bench checkpoint (bfloat16, 4 MoE layers of 32 experts, top-4),
-registered with a monitor in this process, and a client (``EaasClient``, this process) that
-follows it:
+``--servers`` expert servers (default 3) of a generated checkpoint (``--model``: by default
+``float32-24``, float32, 4 MoE layers of 24 experts, top-4, expert intermediate 384, which 2, 3
+and 4 parts divide; ``bench`` is the bench checkpoint, bfloat16, 32 experts), registered with a
+monitor in this process, and a client (``EaasClient``, this process) that follows it:
 
 * **layer times**: both layouts held at once (each server adds its part of every expert, as a
   switch does before its drops), a client without a monitor whose table alternates between EP
-  (experts 0-15 and 16-31) and TP (parts 0 and 1 of every expert) call by call, so both
+  (contiguous blocks of experts) and TP (server i holding part i of every expert) call by
+  call, so both
   layouts meet the same machine at the same moments; for each batch size and routing skew
   (Zipf exponent over the experts, hottest first: the hot experts sit on the first server,
   EP's worst case), the median of ``--repeat`` calls of one MoE layer (after two warm-up
@@ -17,27 +19,31 @@ follows it:
   on the relative error), its error, the predicted crossover (tokens per step from which EP is
   faster) per skew; ``--write-default`` makes it the model ``--eaas-layout auto`` uses;
 * **switch**: the parts dropped, the whole model EP -> TP and back with ``elastic/switch.py``,
-  ``--switches`` times, each timed by the caller from the first call to the last layer's
-  dropped rows freed, with each server's resident memory
-  sampled every 2 ms: the peak over the steady state, against ParaSMoE's (K+2)/K for K MoE
-  layers; the experts' rows after the round trip compared with the checkpoint's.
+  ``--switches`` times idle and ``--switches`` times while a client that follows the monitor
+  steps every MoE layer on ``--load-tokens`` rows without pause (under load), each timed by
+  the caller from the first call to the last layer's dropped rows freed; each server's
+  resident memory sampled every 2 ms and the expert weights it holds (its ``weight_bytes``)
+  every 10 ms: the peaks over the steady state, against ParaSMoE's (K+2)/K for K MoE layers
+  (resident) and (K+1)/K (expert weights: one layer held in both layouts at a time).
 
 * **rollout**: ``--requests`` requests sent at once whose output lengths are long-tailed
   (lognormal: many short, a few long, as in an RL rollout), served by three SGLang servers
-  (``--eaas``, two local expert servers each), ``--eaas-layout ep``, ``tp`` and ``auto`` (with
-  this run's fitted model and ``--dwell``), all up at once and taking ``--rounds`` rounds in
+  (``--eaas``, ``--servers`` local expert servers each), ``--eaas-layout ep``, ``tp`` and
+  ``auto`` (with this run's fitted model and ``--dwell``), all up at once and taking
+  ``--rounds`` rounds in
   turn (so a drift of the machine's speed meets all three alike); per layout the median time
   of the head (until 75% of the requests finished: many sequences per step) and of the tail
   (the rest: few), and the switches ``auto`` made.
   ``--no-rollout`` leaves it out.
 
-    python scripts/bench_switch.py [--repeat 41] [--tokens 1,2,4,...] [--skews 0,1,2]
+    python scripts/bench_switch.py [--model float32-24] [--servers 3] [--repeat 41]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import os
 import statistics
 import sys
@@ -62,16 +68,27 @@ from sglang_eaas.launcher.local_servers import start_local_servers  # noqa: E402
 from sglang_eaas.model_info import MoeModelInfo  # noqa: E402
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer  # noqa: E402
 from sglang_eaas.placement import even_placement  # noqa: E402
-from sglang_eaas.protocol.control import AddParts, DropParts, call  # noqa: E402
+from sglang_eaas.protocol.control import AddParts, DropParts, call, probe  # noqa: E402
 from sglang_eaas.routing_table import RoutingTable  # noqa: E402
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MODELS = {"float32-24": replace(PRESETS["bench"], experts=24, moe_intermediate=384,
+                                dtype="float32"),
+          "bench": PRESETS["bench"]}
 SKEWS = (0.0, 1.0, 2.0)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=MODELS, default="float32-24",
+                   help="the generated checkpoint; default %(default)s")
+    p.add_argument("--servers", type=int, default=3,
+                   help="expert servers (TP: one part of every expert each); default "
+                   "%(default)s")
+    p.add_argument("--load-tokens", type=int, default=64,
+                   help="rows per MoE layer call of the client stepping during the switches "
+                   "under load; default %(default)s")
     p.add_argument("--repeat", type=int, default=41,
                    help="calls per (layout, batch, skew); the median is reported; default "
                    "%(default)s")
@@ -106,8 +123,12 @@ def parse_args() -> argparse.Namespace:
         args.skews = [float(s) for s in args.skews.split(",")]
     except ValueError:
         p.error("--tokens and --skews are comma-separated numbers")
-    if args.repeat < 3 or args.switches < 1 or min(args.tokens) < 1:
-        p.error("need --repeat >= 3, --switches >= 1 and batch sizes >= 1")
+    if args.repeat < 3 or args.switches < 1 or min(args.tokens) < 1 or args.load_tokens < 1:
+        p.error("need --repeat >= 3, --switches >= 1, batch sizes >= 1, --load-tokens >= 1")
+    spec = MODELS[args.model]
+    if not 2 <= args.servers <= spec.experts or spec.moe_intermediate % args.servers:
+        p.error(f"--servers must be 2-{spec.experts} and divide the expert intermediate size "
+                f"{spec.moe_intermediate} of --model {args.model}")
     return args
 
 
@@ -118,7 +139,7 @@ def routing(info: MoeModelInfo, tokens: int, skew: float, seed: int):
     weights = 1.0 / torch.arange(1, info.num_experts + 1, dtype=torch.float64) ** skew
     ids = torch.stack([torch.multinomial(weights, info.top_k, generator=g)
                        for _ in range(tokens)])
-    x = torch.randn(tokens, info.hidden_size, generator=g).to(torch.bfloat16)
+    x = torch.randn(tokens, info.hidden_size, generator=g).to(getattr(torch, info.dtype))
     return x, ids, torch.rand(tokens, info.top_k, generator=g)
 
 
@@ -164,7 +185,7 @@ def layer_times(client: EaasClient, info: MoeModelInfo, args
                     if rep == 0:
                         samples = served(client, layer, ids)
                         out[layout][tokens, skew] = (0.0, samples)
-            for layout, width in (("EP", 1.0), ("TP", 0.5)):
+            for layout, width in (("EP", 1.0), ("TP", 1.0 / len(held))):
                 median = statistics.median(times[layout])
                 samples = out[layout][tokens, skew][1]
                 out[layout][tokens, skew] = (median, Sample(samples, width, median))
@@ -194,7 +215,8 @@ def rollouts(model: Path, args, cost: Path, logs: Path) -> dict[str, dict]:
     servers: dict[str, SGLangServer] = {}
     try:
         for layout in ("ep", "tp", "auto"):
-            flags = ["--eaas", "--eaas-expert-servers", "local:2", "--eaas-layout", layout]
+            flags = ["--eaas", "--eaas-expert-servers", f"local:{args.servers}",
+                     "--eaas-layout", layout]
             if layout == "auto":
                 flags += ["--eaas-layout-dwell", f"{args.dwell:g}", "--eaas-layout-cost",
                           str(cost)]
@@ -270,24 +292,64 @@ def requests_post(url: str, body: dict) -> dict:
 
 
 class MemorySampler(threading.Thread):
-    """Each server's resident memory every 2 ms: the peak since ``reset``."""
+    """Each server's resident memory every 2 ms and the expert weights it holds (its stats'
+    ``weight_bytes``) every 10 ms: the peaks since ``reset``."""
 
-    def __init__(self, pids: list[int]):
+    def __init__(self, pids: list[int], addresses: list[str], token: str):
         super().__init__(daemon=True)
         self.processes = [psutil.Process(pid) for pid in pids]
+        self.addresses, self.token = addresses, token
         self.peak = [0] * len(pids)
+        self.weights_peak = [0] * len(pids)
         self.stop = threading.Event()
 
     def now(self) -> list[int]:
         return [p.memory_info().rss for p in self.processes]
 
+    def weights(self) -> list[int]:
+        return [probe(a, self.token, 5.0).weight_bytes for a in self.addresses]
+
     def reset(self) -> None:
-        self.peak = self.now()
+        self.peak, self.weights_peak = self.now(), self.weights()
 
     def run(self) -> None:
+        ticks = 0
         while not self.stop.is_set():
             self.peak = [max(a, b) for a, b in zip(self.peak, self.now())]
+            if ticks % 5 == 0:
+                try:
+                    self.weights_peak = [max(a, b) for a, b in
+                                         zip(self.weights_peak, self.weights())]
+                except (OSError, RuntimeError, ValueError):
+                    pass  # a server busy past the timeout: the next sample
+            ticks += 1
             time.sleep(0.002)
+
+
+class Stepper(threading.Thread):
+    """A client following the monitor, stepping every MoE layer on ``tokens`` rows without
+    pause (the load the switches run under); its failed rows and steps counted."""
+
+    def __init__(self, client: EaasClient, info: MoeModelInfo, tokens: int):
+        super().__init__(name="bench-switch-load", daemon=True)
+        self.client, self.info = client, info
+        self.x, self.ids, self.w = routing(info, tokens, 1.0, seed=7)
+        self.stop = threading.Event()
+        self.steps = self.failed = 0
+        self.error = ""
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                self.client.begin_step()
+                try:
+                    for layer in self.info.moe_layers:
+                        self.client.forward(layer, self.x, self.ids, self.w)
+                finally:
+                    self.failed += len(self.client.end_step())
+                self.steps += 1
+        except Exception as exc:  # noqa: BLE001 (reported with the numbers)
+            self.error = f"{type(exc).__name__}: {exc}"
 
 
 def _phases(to_tp: list, to_ep: list) -> str:
@@ -302,23 +364,47 @@ def _phases(to_tp: list, to_ep: list) -> str:
     return "The last round, layer by layer:\n\n" + "\n".join(rows)
 
 
+def switch_rounds(switcher: Switcher, info: MoeModelInfo, group: list[str],
+                  sampler: MemorySampler, count: int) -> list[dict]:
+    """``count`` round trips EP -> TP -> EP of every MoE layer: each way's seconds, the peaks
+    over the steady state before it (resident, expert weights), the records."""
+    rounds = []
+    for _ in range(count):
+        one = {}
+        for to in ("tp", "ep"):
+            steady, weights = sampler.now(), sampler.weights()
+            sampler.reset()
+            began = time.perf_counter()
+            records = switcher.switch(list(info.moe_layers), to, group)
+            one[to] = {"seconds": time.perf_counter() - began, "records": records,
+                       "rss": max(p / s for p, s in zip(sampler.peak, steady)),
+                       "weights": max(p / max(s, 1)
+                                      for p, s in zip(sampler.weights_peak, weights)),
+                       "steady_rss": steady, "steady_weights": weights}
+        rounds.append(one)
+    return rounds
+
+
 def main() -> int:
     args = parse_args()
     report = Report(args.out)
-    model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
+    model = cached_model(ROOT / ".cache" / "models", MODELS[args.model],
+                         log=lambda m: say("  " + m))
     info = MoeModelInfo.from_model_path(model)
+    dtype = getattr(torch, info.dtype)
     os.environ.setdefault(envs.TOKEN.name, os.urandom(16).hex())
     token = envs.TOKEN.get()
-    monitor = MonitorServer(MonitorConfig(token=token, loss_timeout=5.0)).start()
+    monitor = MonitorServer(MonitorConfig(token=token)).start()
     log = open(ROOT / ".cache" / "logs" / "bench-switch-servers.log", "w")
-    placement = even_placement(info.num_experts, 2)
-    servers = start_local_servers(model, placement, "bfloat16", max_clients=4,
+    n = args.servers
+    placement = even_placement(info.num_experts, n)
+    servers = start_local_servers(model, placement, info.dtype, max_clients=4,
                                   extra_args=("--monitor", monitor.address), stdout=log)
     group = [s.address for s in servers]
-    client = None
+    client = follower = stepper = None
     try:
-        deadline = time.monotonic() + 30
-        while len(monitor.registry.snapshot().servers()) < 2:
+        deadline = time.monotonic() + 60
+        while len(monitor.registry.snapshot().servers()) < n:
             if time.monotonic() > deadline:
                 print("bench: error: the expert servers did not register", file=sys.stderr)
                 return 1
@@ -326,9 +412,10 @@ def main() -> int:
         say("both layouts held: each server adds its part of every expert of every layer")
         for layer in info.moe_layers:
             for p, address in enumerate(group):
-                call(address, AddParts(layer, 2, [e * 2 + p for e in range(info.num_experts)],
-                                       {group[1 - p]: placement[1 - p]}), token, 120)
-        client = EaasClient(group, info, ModelIdentity.of(model, info), torch.bfloat16,
+                call(address, AddParts(layer, n, [e * n + p for e in range(info.num_experts)],
+                                       {group[q]: placement[q] for q in range(n) if q != p}),
+                     token, 120)
+        client = EaasClient(group, info, ModelIdentity.of(model, info), dtype,
                             "bench-switch")  # no monitor: its tables are the bench's
         times = layer_times(client, info, args)
         ep, tp = times["EP"], times["TP"]
@@ -345,47 +432,53 @@ def main() -> int:
                 return 1
             time.sleep(0.05)
 
-        sampler = MemorySampler([s.process.pid for s in servers])
-        steady = sampler.now()
+        sampler = MemorySampler([s.process.pid for s in servers], group, token)
         sampler.start()
-        rounds = []
-        for _ in range(args.switches):
-            sampler.reset()
-            began = time.perf_counter()
-            tp_layers = switcher.switch(list(info.moe_layers), "tp", group)
-            to_tp, peak_tp, tp_steady = time.perf_counter() - began, sampler.peak, sampler.now()
-            sampler.reset()
-            began = time.perf_counter()
-            ep_layers = switcher.switch(list(info.moe_layers), "ep", group)
-            rounds.append((to_tp, peak_tp, tp_steady, time.perf_counter() - began,
-                           sampler.peak, sampler.now(), tp_layers, ep_layers))
+        say(f"switching the whole model {args.switches} times each way, idle")
+        idle = switch_rounds(switcher, info, group, sampler, args.switches)
+        follower = EaasClient(group, info, ModelIdentity.of(model, info), dtype,
+                              "bench-switch-load", monitor=monitor.address)
+        stepper = Stepper(follower, info, args.load_tokens)
+        stepper.start()
+        time.sleep(1.0)
+        say(f"switching the whole model {args.switches} times each way, under a client "
+            f"stepping every MoE layer on {args.load_tokens} rows")
+        loaded = switch_rounds(switcher, info, group, sampler, args.switches)
+        stepper.stop.set()
+        stepper.join(60)
         sampler.stop.set()
         final = layouts(switcher.holdings(), info)
     finally:
-        if client is not None:
-            client.close()
+        if stepper is not None:
+            stepper.stop.set()
+        for c in (client, follower):
+            if c is not None:
+                c.close()
         for server in servers:
             server.stop()
         monitor.close()
         log.close()
 
     samples = [s for _, s in [*ep.values(), *tp.values()]]
+    args.cost_out.parent.mkdir(parents=True, exist_ok=True)
     (args.cost_out.parent / "switch_samples.json").write_text(json.dumps(
         [{"servers": s.servers, "width": s.width, "measured_us": s.measured_us}
          for s in samples]))
     cost = fit(samples, cores=os.cpu_count() or 1,
                fitted_by={"command": " ".join(sys.orig_argv), "commit": git_commit(),
                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                          "model": model.name, "servers": 2})
-    args.cost_out.parent.mkdir(parents=True, exist_ok=True)
+                          "model": model.name, "servers": n})
     args.cost_out.write_text(cost.to_json() + "\n")
     if args.write_default:
         DEFAULT_COST.write_text(cost.to_json() + "\n")
 
-    report.add(f"Setup: bench checkpoint `{model.name}` (bfloat16, {len(info.moe_layers)} MoE "
-               f"layers, {info.num_experts} experts, top-{info.top_k}); 2 expert servers "
-               f"(EP: experts 0-15 and 16-31; TP: parts 0 and 1 of every expert), the client in "
-               f"this process; one MoE layer per call, median of {args.repeat} calls.")
+    blocks = ", ".join(f"{b[0]}-{b[-1]}" for b in placement)
+    report.add(f"Setup: checkpoint `{model.name}` (--model {args.model}: {info.dtype}, "
+               f"{len(info.moe_layers)} MoE layers, {info.num_experts} experts, "
+               f"top-{info.top_k}, expert intermediate {info.moe_intermediate_size}); {n} expert "
+               f"servers (EP: experts {blocks}; TP: server i holds part i of {n} of every "
+               f"expert), the client in this process; one MoE layer per call, median of "
+               f"{args.repeat} calls.")
     rows = ["| tokens | skew | EP ms | TP ms | TP / EP | EP predicted | TP predicted |",
             "|---|---|---|---|---|---|---|"]
     for skew in args.skews:
@@ -394,18 +487,19 @@ def main() -> int:
             rows.append(f"| {tokens} | {skew:g} | {e[0] / 1e3:.2f} | {t[0] / 1e3:.2f} | "
                         f"{t[0] / e[0]:.2f}x | "
                         f"{cost.layer_us(e[1].servers, 1.0) / 1e3:.2f} | "
-                        f"{cost.layer_us(t[1].servers, 0.5) / 1e3:.2f} |")
+                        f"{cost.layer_us(t[1].servers, 1 / n) / 1e3:.2f} |")
     report.add("Layer times (measured, and as the fitted model predicts them):\n\n"
                + "\n".join(rows))
     crossings = []
     for skew in args.skews:
         measured = [t for t in args.tokens if tp[t, skew][0] < 0.95 * ep[t, skew][0]]
         predicted = [t for t in args.tokens
-                     if cost.layer_us(tp[t, skew][1].servers, 0.5)
+                     if cost.layer_us(tp[t, skew][1].servers, 1 / n)
                      < 0.95 * cost.layer_us(ep[t, skew][1].servers, 1.0)]
         crossings.append(f"| {skew:g} | {', '.join(map(str, measured)) or 'none'} | "
                          f"{', '.join(map(str, predicted)) or 'none'} |")
-    picks = sum((cost.layer_us(tp[key][1].servers, 0.5) < cost.layer_us(ep[key][1].servers, 1.0))
+    picks = sum((cost.layer_us(tp[key][1].servers, 1 / n)
+                 < cost.layer_us(ep[key][1].servers, 1.0))
                 == (tp[key][0] < ep[key][0]) for key in ep)
     report.add(
         "Fitted cost model (microseconds; `elastic/layout_cost.py`): "
@@ -419,20 +513,39 @@ def main() -> int:
         "\n\nWhere TP is faster than EP by more than 5% (batch sizes):\n\n"
         "| skew | measured | predicted |\n|---|---|---|\n" + "\n".join(crossings))
     layers = len(info.moe_layers)
-    bound = (layers + 2) / layers
-    rows = ["| round | EP -> TP s | peak / EP steady | TP -> EP s | peak / TP steady |",
-            "|---|---|---|---|---|"]
-    for i, (to_tp, peak_tp, tp_steady, to_ep, peak_ep, *_) in enumerate(rounds, 1):
-        rows.append(f"| {i} | {to_tp:.2f} | "
-                    f"{max(p / s for p, s in zip(peak_tp, steady)):.2f}x | {to_ep:.2f} | "
-                    f"{max(p / s for p, s in zip(peak_ep, tp_steady)):.2f}x |")
+    bound, weights_bound = (layers + 2) / layers, (layers + 1) / layers
+
+    def spread(values: list[float], fmt: str) -> str:
+        return (f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+                if len(values) > 1 else f"{values[0]:{fmt}}")
+
+    rows = ["| condition | way | seconds | peak resident / steady | peak expert weights / "
+            "steady |", "|---|---|---:|---:|---:|"]
+    for condition, rounds in (("idle", idle), (f"under load ({args.load_tokens} rows per "
+                                               "layer call, stepping without pause)", loaded)):
+        for to in ("tp", "ep"):
+            rows.append(f"| {condition} | {'EP -> TP' if to == 'tp' else 'TP -> EP'} | "
+                        f"{spread([r[to]['seconds'] for r in rounds], '.2f')} | "
+                        f"{spread([r[to]['rss'] for r in rounds], '.2f')}x | "
+                        f"{spread([r[to]['weights'] for r in rounds], '.2f')}x |")
+    load_note = (f"The client under load made {stepper.steps} steps during the switches, "
+                 f"{stepper.failed} rows failed" + (f"; it stopped: {stepper.error}"
+                                                    if stepper.error else "") + ".")
     report.add(
-        f"Switch of the whole model ({layers} MoE layers, one after the other; the goal: <= 1 s "
-        f"each way, peak resident memory per server within (K+2)/K = {bound:.2f}x its steady "
-        f"state). Steady resident memory per server in EP: "
-        f"{', '.join(f'{s / 2**20:.0f} MiB' for s in steady)}; in TP after the first switch: "
-        f"{', '.join(f'{s / 2**20:.0f} MiB' for s in rounds[0][2])}. Layouts at the end: "
-        f"{final}.\n\n" + "\n".join(rows) + "\n\n" + _phases(rounds[-1][6], rounds[-1][7]))
+        f"Switch of the whole model ({layers} MoE layers, one after the other), "
+        f"{args.switches} round trips idle, then {args.switches} under load; median "
+        f"[min-max]. Goals: <= 1 s each way; peak resident memory per server within "
+        f"(K+2)/K = {bound:.2f}x its steady state, and its expert weights within (K+1)/K = "
+        f"{weights_bound:.2f}x (one layer held in both layouts at a time). Steady per server "
+        f"in EP: resident {', '.join(f'{v / 2**20:.0f} MiB' for v in idle[0]['tp']['steady_rss'])}"
+        f", expert weights "
+        f"{', '.join(f'{v / 2**20:.0f} MiB' for v in idle[0]['tp']['steady_weights'])}; in TP: "
+        f"resident {', '.join(f'{v / 2**20:.0f} MiB' for v in idle[0]['ep']['steady_rss'])}, "
+        f"expert weights "
+        f"{', '.join(f'{v / 2**20:.0f} MiB' for v in idle[0]['ep']['steady_weights'])}. "
+        f"Layouts at the end: {final}. {load_note}\n\n" + "\n".join(rows) + "\n\n"
+        + _phases(loaded[-1]["tp"]["records"], loaded[-1]["ep"]["records"])
+        .replace("The last round", "The last round under load"))
     if not args.no_rollout:
         logs = ROOT / ".cache" / "logs"
         runs = rollouts(model, args, args.cost_out, logs)
@@ -466,7 +579,7 @@ def main() -> int:
             for name, times in (("EP", ep), ("TP", tp)):
                 ax.plot(args.tokens, [times[t, skew][0] / 1e3 for t in args.tokens], "o-",
                         label=f"{name} measured")
-                width = 1.0 if name == "EP" else 0.5
+                width = 1.0 if name == "EP" else 1 / n
                 ax.plot(args.tokens, [cost.layer_us(times[t, skew][1].servers, width) / 1e3
                                       for t in args.tokens], "--", label=f"{name} model")
             ax.set_xscale("log", base=2)
