@@ -370,3 +370,24 @@ def test_watch_is_woken_by_changes_not_by_heartbeats(tcp_monitor):
         done.wait(5)
     finally:
         watcher.close()
+
+
+def test_a_departure_carries_its_reason_and_an_older_one_is_read_from_its_words():
+    from sglang_eaas.protocol.lines import ControlError
+    from sglang_eaas.protocol.monitor import Departure, Snapshot
+
+    typed = Departure("server", "h:1", "abc", "lost: its monitor connection closed", 7,
+                      "connection_closed")
+    back = Snapshot.from_message(Snapshot(7, (), (typed,)).to_message()).departures[0]
+    assert back == typed and back.reason == "connection_closed"
+    older = {"kind": "server", "id": "h:1", "incarnation": "abc", "revision": 3}  # no reason
+    for why, reason in (("lost: no heartbeat for 10.20s", "heartbeat"),
+                        ("evicted: did not answer MoE layer 1 within 2s", "result_timeout"),
+                        ("replaced by a new incarnation", "replaced"), ("left", "left"),
+                        ("lost: its monitor connection closed", "connection_closed")):
+        snapshot = Snapshot.from_message({"revision": 3, "members": [],
+                                          "departures": [{**older, "why": why}]})
+        assert snapshot.departures[0].reason == reason, why
+    with pytest.raises(ControlError, match="reason must be one of"):
+        Snapshot.from_message({"revision": 3, "members": [],
+                               "departures": [{**older, "why": "left", "reason": "bored"}]})

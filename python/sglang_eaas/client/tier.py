@@ -49,7 +49,7 @@ from sglang_eaas.membership.presence import Presence
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.placement import PlacementError
 from sglang_eaas.protocol.lines import ControlError
-from sglang_eaas.protocol.monitor import CLIENT, SERVING, Member, Snapshot, loss_reason
+from sglang_eaas.protocol.monitor import CLIENT, NO_HEARTBEAT, SERVING, Member, Snapshot
 from sglang_eaas.protocol.slot import DTYPE_NAMES
 from sglang_eaas.routing_table import RoutingTable
 
@@ -244,7 +244,7 @@ class ClientTier:
         self._revision = snapshot.revision
         servers = {m.id: m for m in snapshot.servers(self.model.fingerprint)}
         self._known |= set(servers)  # followed through the monitor from now on
-        why_gone = {d.id: d.why for d in snapshot.departures}
+        gone_as = {d.id: d for d in snapshot.departures}
         kept = self._kept_on_heartbeats(servers, snapshot)
         listed = {(sid, m.incarnation) for sid, m in servers.items()}
         confirmed = self._confirm_incarnations(servers)
@@ -273,8 +273,9 @@ class ClientTier:
                     why, reason = (("draining", None) if m.status != SERVING else
                                    ("registered again as a new incarnation", "replaced"))
                 else:
-                    why = why_gone.get(sid, "gone from the monitor")
-                    reason = loss_reason(why) if sid in why_gone else "gone"
+                    departed = gone_as.get(sid)
+                    why, reason = ((departed.why, departed.reason) if departed is not None
+                                   else ("gone from the monitor", "gone"))
                 self._drop(conn, why, reason)
         for sid, m in servers.items():
             if m.status != SERVING or sid in self._conns:
@@ -320,7 +321,7 @@ class ClientTier:
         with self._lock:
             candidates = {sid: c for sid, c in self._conns.items() if sid not in servers
                           and sid in gone and gone[sid].incarnation == c.incarnation
-                          and gone[sid].reason == "heartbeat"}
+                          and gone[sid].reason == NO_HEARTBEAT}
             if not candidates:
                 return set()
             others = {sid: c for sid, c in self._conns.items() if sid not in candidates}
@@ -369,7 +370,7 @@ class ClientTier:
 
     def _drop(self, conn: ServerConnection, why: str, reason: str | None) -> None:
         """Under the lock: take ``conn`` out of the live set; it is closed once adopted past.
-        ``reason``: why it is lost, as counted (``protocol.monitor.loss_reason``'s, or
+        ``reason``: why it is lost, as counted (a ``Departure.reason``, or
         ``refused``, ``replaced``, ``gone``); None: not lost (draining)."""
         lost = reason is not None
         if self._conns.get(conn.address) is not conn:

@@ -53,7 +53,8 @@ from sglang_eaas.membership.base import MemberLost, MemberSession, MonitorBacken
 from sglang_eaas.membership.timing import LOSS_TIMEOUT, SUSPECT_TIMEOUT
 from sglang_eaas.protocol.lines import ControlError, Refused
 from sglang_eaas.protocol.monitor import (
-    Departure, Member, MonitorStats, Snapshot, sign, sign_json, verify, verify_json,
+    LEFT, NO_HEARTBEAT, RESULT_TIMEOUT, Departure, Member, MonitorStats, Snapshot, sign, sign_json,
+    verify, verify_json,
 )
 from sglang_eaas.protocol.operations import (
     PENDING, Acquired, OperationList, OperationRecord, newest_first,
@@ -189,19 +190,25 @@ class EtcdMonitor(MonitorBackend):
             member = verify(base64.b64decode(prev.get("value", "")), self.token)
         except (ControlError, ValueError):
             return None
-        why = "lost: no heartbeat for its etcd lease's TTL"
+        why, reason = "lost: no heartbeat for its etcd lease's TTL", NO_HEARTBEAT
         try:
             rows = self._call(self.client.get, DEPARTED + member.incarnation)
             if rows:
-                why = str(verify_json(rows[0], self.token).get("why", why))
+                said = verify_json(rows[0], self.token)
+                why = str(said.get("why", why))
+                reason = str(said.get("reason", ""))  # "": a marker older than the field
         except (TransportError, ControlError, AttributeError):
             pass
-        return Departure(member.kind, member.id, member.incarnation, why, 0)
+        try:
+            return Departure(member.kind, member.id, member.incarnation, why, 0, reason)
+        except ControlError:  # a reason this version does not know: read from the words
+            return Departure(member.kind, member.id, member.incarnation, why, 0)
 
-    def _say_departure(self, incarnation: str, why: str) -> None:
+    def _say_departure(self, incarnation: str, why: str, reason: str) -> None:
         """Write why ``incarnation`` is about to depart, for the watchers (a minute's lease)."""
         self._call(self.client.put, DEPARTED + incarnation,
-                   sign_json({"why": why}, self.token), lease=self._grant(DEPARTED_TTL))
+                   sign_json({"why": why, "reason": reason}, self.token),
+                   lease=self._grant(DEPARTED_TTL))
 
     # -- suspicion, on this watcher's clock ------------------------------------------------
     def _consume_beats(self, events) -> None:
@@ -287,7 +294,7 @@ class EtcdMonitor(MonitorBackend):
             if member.kind == "server" and member.id == server:
                 if member.incarnation != incarnation:
                     return False
-                self._say_departure(incarnation, f"evicted: {why}")
+                self._say_departure(incarnation, f"evicted: {why}", RESULT_TIMEOUT)
                 self._call(self.client.post, self.client.get_url("/kv/lease/revoke"),
                            json={"ID": int(incarnation)})
                 logger.warning("evicted expert server %s (lease %s): %s", server, incarnation,
@@ -513,7 +520,7 @@ class EtcdSession(MemberSession):
 
     def leave(self) -> None:
         if self._lease is not None:
-            self.monitor._say_departure(self._member.incarnation, "left")
+            self.monitor._say_departure(self._member.incarnation, "left", LEFT)
             self.monitor._call(self._lease.revoke)
             self._lease = None
 

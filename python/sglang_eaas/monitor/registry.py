@@ -27,7 +27,10 @@ from typing import Callable
 
 from sglang_eaas.holdings import ServerHoldings
 from sglang_eaas.protocol.lines import ControlError
-from sglang_eaas.protocol.monitor import SERVER, Departure, Member, Snapshot, loss_reason
+from sglang_eaas.protocol.monitor import (
+    CONNECTION_CLOSED, LEFT, NO_HEARTBEAT, REPLACED, RESULT_TIMEOUT, SERVER, Departure, Member,
+    Snapshot,
+)
 
 logger = logging.getLogger(__name__)
 DEPARTURES_KEPT = 64
@@ -68,7 +71,7 @@ class Registry:
         with self._cond:
             old = self._entries.get(member.key())
             if old is not None:
-                self._depart(old, "replaced by a new incarnation")
+                self._depart(old, "replaced by a new incarnation", REPLACED)
             self._entries[member.key()] = _Entry(member, session, time.monotonic(), period)
             self._incarnations[member.incarnation] = member.key()
             self.counters[f"{member.kind}s_registered"] += 1
@@ -149,12 +152,12 @@ class Registry:
 
     def leave(self, incarnation: str, session: object) -> None:
         with self._cond:
-            self._depart(self._entry(incarnation, session), "left")
+            self._depart(self._entry(incarnation, session), "left", LEFT)
 
     def session_closed(self, session: object) -> None:
         with self._cond:
             for entry in [e for e in self._entries.values() if e.session is session]:
-                self._depart(entry, "lost: its monitor connection closed")
+                self._depart(entry, "lost: its monitor connection closed", CONNECTION_CLOSED)
 
     def report(self, server: str, incarnation: str, why: str) -> bool:
         """Evict ``server`` if it is still that incarnation; whether it was."""
@@ -163,7 +166,7 @@ class Registry:
             if entry is None or entry.member.incarnation != incarnation:
                 return False
             self.counters["evictions"] += 1
-            self._depart(entry, f"evicted: {why}")
+            self._depart(entry, f"evicted: {why}", RESULT_TIMEOUT)
             return True
 
     def expire(self, absent: float = 0.0) -> None:
@@ -182,7 +185,7 @@ class Registry:
             for entry in list(self._entries.values()):
                 age = now - entry.last_beat
                 if age > self.loss_timeout:
-                    self._depart(entry, f"lost: no heartbeat for {age:.2f}s")
+                    self._depart(entry, f"lost: no heartbeat for {age:.2f}s", NO_HEARTBEAT)
                 elif age > self.suspect_timeout and not entry.suspected_at:
                     self._suspect(entry, now, age)
 
@@ -197,16 +200,16 @@ class Registry:
                        "%.1fs without one, or at once if the data path confirms)", member.kind,
                        member.id, member.incarnation, age, self.loss_timeout)
 
-    def _depart(self, entry: _Entry, why: str) -> None:
-        """Under the lock: drop ``entry``, record why, wake the watchers."""
+    def _depart(self, entry: _Entry, why: str, reason: str) -> None:
+        """Under the lock: drop ``entry``, record why (in words and as a ``reason``), wake the
+        watchers."""
         member = entry.member
         del self._entries[member.key()]
         self._incarnations.pop(member.incarnation, None)
         self._departures.append(Departure(member.kind, member.id, member.incarnation, why,
-                                          self.revision + 1))
+                                          self.revision + 1, reason))
         self.counters[f"{member.kind}s_{why.split(':')[0].split(' ')[0]}"] += 1
-        reason = loss_reason(why)
-        if reason not in ("left", "replaced"):
+        if reason not in (LEFT, REPLACED):
             self.counters[f"losses_{reason}"] += 1
         self._bump()
         log = logger.info if why == "left" else logger.warning

@@ -107,34 +107,46 @@ class Member(Message):
         return replace(self, holdings=holdings)
 
 
+# Why a member departed (``Departure.reason``): it left, a new incarnation of it registered, or
+# it was lost: its monitor connection closed (its process died, or the network closed it), a
+# client reported that it did not answer within the result timeout (an eviction: the data
+# path's confirmation), or it sent no heartbeat for the loss timeout. Losses are counted by
+# reason (``losses_REASON``, ``sglang_eaas_server_losses``).
+LEFT, REPLACED = "left", "replaced"
+CONNECTION_CLOSED, RESULT_TIMEOUT, NO_HEARTBEAT = "connection_closed", "result_timeout", "heartbeat"
+DEPARTURE_REASONS = (LEFT, REPLACED, CONNECTION_CLOSED, RESULT_TIMEOUT, NO_HEARTBEAT)
+
+
 @dataclass(frozen=True)
 class Departure:
-    """A member that left the tier, and why (for logs and ``status``)."""
+    """A member that left the tier: why, in words (for logs and ``status``) and as a reason of
+    ``DEPARTURE_REASONS`` (for counting and for what a client does)."""
 
     kind: str
     id: str
     incarnation: str
     why: str  # "left", "lost: no heartbeat for 10.2s", "lost: connection closed", "evicted: ..."
     revision: int
+    reason: str = ""  # "": a sender older than the field; read from ``why`` then
 
-    @property
-    def reason(self) -> str:
-        return loss_reason(self.why)
+    def __post_init__(self) -> None:
+        if not self.reason:
+            object.__setattr__(self, "reason", loss_reason(self.why))
+        elif self.reason not in DEPARTURE_REASONS:
+            raise ControlError("bad_field", f"a departure's reason must be one of "
+                               f"{', '.join(DEPARTURE_REASONS)}, not {self.reason!r}")
 
 
 def loss_reason(why: str) -> str:
-    """A departure's reason, as counted (``losses_REASON``, ``sglang_eaas_server_losses``):
-    ``heartbeat`` (no heartbeat for the loss timeout), ``result_timeout`` (a client reported
-    that it did not answer in time: an eviction, the data path's confirmation), ``replaced``
-    (a new incarnation of it registered), ``left``, else ``connection_closed`` (its process
-    died, or the network closed its monitor connection)."""
+    """The reason of a departure whose sender gave only ``why`` (a monitor or etcd marker older
+    than ``Departure.reason``): read from its words."""
     if why.startswith("lost: no heartbeat"):
-        return "heartbeat"
+        return NO_HEARTBEAT
     if why.startswith("evicted"):
-        return "result_timeout"
+        return RESULT_TIMEOUT
     if why.startswith("replaced"):
-        return "replaced"
-    return "left" if why == "left" else "connection_closed"
+        return REPLACED
+    return LEFT if why == LEFT else CONNECTION_CLOSED
 
 
 @dataclass(frozen=True)
