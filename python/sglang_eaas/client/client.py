@@ -308,17 +308,23 @@ class EaasClient:
             if parts > 1:  # one part per (token, k) at most: the one held here
                 chosen = chosen.reshape(picked.size, -1, parts).max(axis=2)
             chosen = torch.from_numpy(chosen.astype(np.int32))
-            picked_t = torch.from_numpy(picked).to(hidden.device)
+            if picked.size == len(ids):  # every row of the chunk: no gather, no scatter
+                rows_of: torch.Tensor | slice = slice(chunk.start, chunk.start + picked.size)
+                sent_hidden, sent_weights = hidden.contiguous(), weights.contiguous()
+            else:
+                picked_t = torch.from_numpy(picked).to(hidden.device)
+                rows_of = picked_t + chunk.start
+                sent_hidden, sent_weights = hidden[picked_t], weights[picked_t]
             try:
-                conn.slots[handle.micro_batch].send(layer_id, hidden[picked_t], chosen,
-                                                    weights[picked_t].float(), ring=False,
+                conn.slots[handle.micro_batch].send(layer_id, sent_hidden, chosen,
+                                                    sent_weights.float(), ring=False,
                                                     parts=parts)
                 conn.in_flight += 1
                 self.metrics.sent(conn.address)
             except (TransportError, ProtocolError) as exc:
                 self._lose(conn, f"sending failed: {exc}", report=True)
                 continue
-            sent.append(Sent(conn, picked_t + chunk.start, mask))
+            sent.append(Sent(conn, rows_of, mask))
         for conn, _, _ in sent:  # every request is published before any server wakes
             try:
                 conn.slots[handle.micro_batch].ring()
@@ -350,7 +356,10 @@ class EaasClient:
                     continue
                 except ProtocolError as exc:  # answered, wrongly: a bug to see, not to hide
                     raise TransportError(f"expert server {conn.address}: {exc}") from None
-                handle.out.index_add_(0, rows, result.to(handle.out.device))
+                if isinstance(rows, slice):
+                    handle.out[rows].add_(result.to(handle.out.device))
+                else:
+                    handle.out.index_add_(0, rows, result.to(handle.out.device))
                 chunk.pending &= ~mask
             finally:
                 conn.in_flight -= 1

@@ -12,11 +12,13 @@ from sglang_eaas.client.connection import ServerConnection
 
 
 class Sent(NamedTuple):
-    """Entries sent to one server: its connection, their rows in the layer's batch ``[n]``
-    (int64), and which entries of the chunk they are ``[chunk rows, K * parts]`` (bool)."""
+    """Entries sent to one server: its connection, their rows in the layer's batch (``[n]``
+    int64, or a slice where they are every row of the chunk: the answer is then added in place,
+    not scattered, which on a busy host spares a multi-threaded op its wait for a descheduled
+    thread), and which entries of the chunk they are ``[chunk rows, K * parts]`` (bool)."""
 
     conn: ServerConnection
-    rows: torch.Tensor
+    rows: torch.Tensor | slice
     mask: np.ndarray
 
 
