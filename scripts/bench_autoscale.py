@@ -44,7 +44,9 @@ import psutil
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lib.report import ROOT, Report, default_out, pyplot, save_figure, say  # noqa: E402
+from bench_lib.report import (  # noqa: E402
+    ROOT, Report, default_out, pyplot, save_figure, say, spread,
+)
 from bench_lib.streams import Run, closed_loop  # noqa: E402
 
 from sglang_eaas import cpu_runtime, envs  # noqa: E402
@@ -229,13 +231,6 @@ def judge(served: Served, rows: dict[str, Row], high_phase: tuple[float, float],
                                    for d in served.decisions) or "-")
 
 
-def cell(values: list[float], fmt: str, suffix: str = "") -> str:
-    text = format(statistics.median(values), fmt) + suffix
-    if len(values) > 1:
-        text += f" [{format(min(values), fmt)}-{format(max(values), fmt)}]"
-    return text
-
-
 def best_fixed(rows: dict[str, Row], goal: float) -> str:
     """The strongest fixed baseline: the smallest size whose median high-phase attainment meets
     ``goal``, else the size with the best median attainment (the first, smallest, on a tie)."""
@@ -356,11 +351,11 @@ def write_report(report: Report, rows: dict[str, Row], targets: tuple[float, flo
     base = statistics.median(rows[best].server_seconds)
     for name, row in rows.items():
         lines.append(
-            f"| {name} | {cell([100 * a for a in row.attainment], '.0f', '%')} | "
-            f"{cell([100 * a for a in row.in_high], '.0f', '%')} | "
-            f"{cell(row.high_tpot_ms, '.0f')} | {cell(row.server_seconds, '.0f')} | "
-            f"{cell([s / base for s in row.server_seconds], '.2f', 'x')} | "
-            f"{cell(row.failed, '.0f')} | {'; '.join(row.decisions)} |")
+            f"| {name} | {spread([100 * a for a in row.attainment], '.0f', '%')} | "
+            f"{spread([100 * a for a in row.in_high], '.0f', '%')} | "
+            f"{spread(row.high_tpot_ms, '.0f')} | {spread(row.server_seconds, '.0f')} | "
+            f"{spread([s / base for s in row.server_seconds], '.2f', 'x')} | "
+            f"{spread(row.failed, '.0f')} | {'; '.join(row.decisions)} |")
     report.add("\n".join(lines))
     auto = rows[AUTO]
     verdicts = []

@@ -51,7 +51,9 @@ import psutil
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lib.report import ROOT, Report, default_out, pyplot, save_figure, say  # noqa: E402
+from bench_lib.report import (  # noqa: E402
+    ROOT, Report, default_out, pyplot, save_figure, say, spread,
+)
 from bench_lib.streams import Run, closed_loop, throughput  # noqa: E402
 
 from sglang_eaas import cpu_runtime, envs  # noqa: E402
@@ -289,12 +291,6 @@ def one_run(args: argparse.Namespace, model: Path, vocab: int, base: tuple) -> M
     return out
 
 
-def cell(values: list[float], fmt: str) -> str:
-    text = format(statistics.median(values), fmt)
-    return text + (f" [{format(min(values), fmt)}-{format(max(values), fmt)}]"
-                   if len(values) > 1 else "")
-
-
 def plot(last: Measured, args: argparse.Namespace) -> None:
     plt = pyplot()
     if plt is None:
@@ -349,10 +345,10 @@ def main() -> int:
 def write_report(report: Report, runs: list[Measured], args: argparse.Namespace,
                  model_name: str) -> None:
     def col(name: str, fmt: str = ".2f") -> str:
-        return cell([getattr(r, name) for r in runs], fmt)
+        return spread([getattr(r, name) for r in runs], fmt)
 
     def faster(name: str) -> str:
-        return cell([r.restart / getattr(r, name) for r in runs], ".1f") + "x faster"
+        return spread([r.restart / getattr(r, name) for r in runs], ".1f", "x") + " faster"
 
     report.add(
         f"Setup: bench checkpoint `{model_name}`; SGLang --eaas, local:2 expert servers; "
@@ -382,21 +378,21 @@ def write_report(report: Report, runs: list[Measured], args: argparse.Namespace,
         "over the 10 s before the command; area: tokens not served against that rate, from "
         "the command to 2 s after every new server computes):", "",
         "| scale-out | depth | area (tokens) |", "|---|---:|---:|",
-        f"| starting servers | {cell([r.depth_out for r in runs], '.2f')} | "
-        f"{cell([r.area_out for r in runs], '.0f')} |",
-        f"| taking standby servers | {cell([r.depth_standby for r in runs], '.2f')} | "
-        f"{cell([r.area_standby for r in runs], '.0f')} |"]))
+        f"| starting servers | {spread([r.depth_out for r in runs], '.2f')} | "
+        f"{spread([r.area_out for r in runs], '.0f')} |",
+        f"| taking standby servers | {spread([r.depth_standby for r in runs], '.2f')} | "
+        f"{spread([r.area_standby for r in runs], '.0f')} |"]))
     rows = ["| window | tokens/s | TPOT ms (median) |", "|---|---:|---:|"]
     for i, (name, *_rest) in enumerate(runs[0].windows):
-        rows.append(f"| {name} | {cell([r.windows[i][3] for r in runs], '.1f')} | "
-                    f"{cell([r.windows[i][4] for r in runs], '.0f')} |")
+        rows.append(f"| {name} | {spread([r.windows[i][3] for r in runs], '.1f')} | "
+                    f"{spread([r.windows[i][4] for r in runs], '.0f')} |")
     report.add("\n".join(rows))
     report.add(
         f"Tier memory (expert servers' PSS, shared weights counted once): steady "
-        f"{cell([r.memory[0] / 2**20 for r in runs], '.0f')} MiB with 2 servers, peak "
-        f"{cell([r.memory[1] / 2**20 for r in runs], '.0f')} MiB during the scale-out "
-        f"({cell([r.memory[1] / max(r.memory[0], 1) for r in runs], '.2f')}x), "
-        f"{cell([r.memory[2] / 2**20 for r in runs], '.0f')} MiB with 4 servers.")
+        f"{spread([r.memory[0] / 2**20 for r in runs], '.0f')} MiB with 2 servers, peak "
+        f"{spread([r.memory[1] / 2**20 for r in runs], '.0f')} MiB during the scale-out "
+        f"({spread([r.memory[1] / max(r.memory[0], 1) for r in runs], '.2f')}x), "
+        f"{spread([r.memory[2] / 2**20 for r in runs], '.0f')} MiB with 4 servers.")
     ratio = statistics.median([r.restart / r.standby_serving for r in runs])
     failed = sum(r.failed for r in runs)
     report.add(f"Goal: scale-out >= 9x faster than a restart with zero failed requests: "

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lib.report import ROOT, Report, default_out, say  # noqa: E402
+from bench_lib.report import ROOT, Report, default_out, say, spread  # noqa: E402
 
 import ibgda  # noqa: E402
 from sglang_eaas import envs  # noqa: E402
@@ -261,16 +261,13 @@ def main() -> int:
         f"first touch (one byte of every page of every row it made usable, read after it: the "
         f"page faults a mapped layer defers to the first batch), shown apart too.")
 
-    def spread(values: list[float]) -> str:
-        return (f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
-                if len(values) > 1 else f"{values[0]:.3f}")
-
     rows = ["| method | fill s | first touch s | seconds, fill + first touch | GB/s | "
             "bandwidth vs memcpy |", "|---|---:|---:|---:|---:|---:|"]
     for method, seconds in results.items():
         parts = fills.get(method)
-        each = (f"{spread([a for a, _ in parts])} | {spread([b for _, b in parts])} | "
-                f"{spread([a + b for a, b in parts])}" if parts else f"| | {seconds:.3f}")
+        each = (f"{spread([a for a, _ in parts], '.3f')} | "
+                f"{spread([b for _, b in parts], '.3f')} | "
+                f"{spread([a + b for a, b in parts], '.3f')}" if parts else f"| | {seconds:.3f}")
         rows.append(f"| {method} | {each} | {nbytes / seconds / 1e9:.2f} | "
                     f"{best / seconds:.2f}x |")
     report.add("\n".join(rows))

@@ -29,7 +29,7 @@ from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError
 
 from bench_lib import serving_client
-from bench_lib.report import Report, default_out, git_commit, say
+from bench_lib.report import Report, default_out, git_commit, say, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 THIS = "this tree"
@@ -131,11 +131,6 @@ def measure(tree_env: dict, model: Path, extra: tuple[str, ...], name: str,
     return out
 
 
-def cell(values: list[float]) -> str:
-    text = f"{statistics.median(values):.2f}x"
-    return text + (f" [{min(values):.2f}-{max(values):.2f}]" if len(values) > 1 else "")
-
-
 def main() -> int:
     args = parse_args()
     report = Report(args.out)
@@ -180,8 +175,8 @@ def main() -> int:
              "|---|---:|---:|---:|"]
     for tree in trees:
         for c in args.concurrency:
-            lines.append(f"| {tree} | {c} | {cell(ratios[tree][c][0])} | "
-                         f"{cell(ratios[tree][c][1])} |")
+            lines.append(f"| {tree} | {c} | {spread(ratios[tree][c][0], '.2f', 'x')} | "
+                         f"{spread(ratios[tree][c][1], '.2f', 'x')} |")
     lines += ["", f"This tree over {other} (ratio of the medians):"]
     for c in args.concurrency:
         ours, theirs = ratios[THIS][c], ratios[other][c]

@@ -37,7 +37,7 @@ from sglang_eaas.deploy import DeployError, Deployment, parse_config
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 
 from bench_lib import serving_client, sharegpt
-from bench_lib.report import Report, default_out, say
+from bench_lib.report import Report, default_out, say, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")
@@ -138,12 +138,6 @@ def bench_serving(url: str, model: Path, dataset: str, args: argparse.Namespace,
             "cpu_ms_by_role": {r: 1000 * c / tokens for r, c in by_role.items()}}
 
 
-def cell(values: list[float], fmt: str, suffix: str = "") -> str:
-    text = format(statistics.median(values), fmt) + suffix
-    return text + (f" [{format(min(values), fmt)}-{format(max(values), fmt)}]"
-                   if len(values) > 1 else "")
-
-
 def table(runs: list[dict[str, dict[str, dict]]], dataset: str) -> str:
     """Median [min-max] over the runs; each ratio against the same run's monolithic."""
     cores = os.cpu_count()
@@ -153,16 +147,16 @@ def table(runs: list[dict[str, dict[str, dict]]], dataset: str) -> str:
     for setting in runs[0]:
         records = [run[setting][dataset] for run in runs]
         bases = [run["monolithic"][dataset] for run in runs]
-        cells = [f"{cell([r[k] for r in records], '.1f')} | "
-                 f"{cell([r[k] / b[k] for r, b in zip(records, bases)], '.2f', 'x')}"
+        cells = [f"{spread([r[k] for r in records], '.1f')} | "
+                 f"{spread([r[k] / b[k] for r, b in zip(records, bases)], '.2f', 'x')}"
                  for k in KEYS]
         cpu = [r["cpu_ms_per_token"] for r in records]
         by_role = {name: statistics.median(r["cpu_ms_by_role"][name] for r in records)
                    for name in records[0]["cpu_ms_by_role"]}
         split = ", ".join(f"{name} {ms:.1f}" for name, ms in by_role.items())
         lines.append(f"| {setting} | " + " | ".join(cells) + " | "
-                     f"{cell([r['completed'] for r in records], '.0f')} | {cell(cpu, '.1f')} | "
-                     f"{split} | {cell([cores * 1000 / c for c in cpu], '.0f')} |")
+                     f"{spread([r['completed'] for r in records], '.0f')} | {spread(cpu, '.1f')} | "
+                     f"{split} | {spread([cores * 1000 / c for c in cpu], '.0f')} |")
     return "\n".join(lines)
 
 

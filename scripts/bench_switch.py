@@ -56,7 +56,10 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lib.report import ROOT, Report, default_out, git_commit, pyplot, save_figure, say  # noqa: E402,E501
+from bench_lib.stepper import Stepper  # noqa: E402
+from bench_lib.report import (  # noqa: E402
+    ROOT, Report, default_out, git_commit, pyplot, save_figure, say, spread,
+)
 
 from sglang_eaas import envs  # noqa: E402
 from sglang_eaas.checkpoint import ModelIdentity  # noqa: E402
@@ -326,32 +329,6 @@ class MemorySampler(threading.Thread):
             time.sleep(0.002)
 
 
-class Stepper(threading.Thread):
-    """A client following the monitor, stepping every MoE layer on ``tokens`` rows without
-    pause (the load the switches run under); its failed rows and steps counted."""
-
-    def __init__(self, client: EaasClient, info: MoeModelInfo, tokens: int):
-        super().__init__(name="bench-switch-load", daemon=True)
-        self.client, self.info = client, info
-        self.x, self.ids, self.w = routing(info, tokens, 1.0, seed=7)
-        self.stop = threading.Event()
-        self.steps = self.failed = 0
-        self.error = ""
-
-    def run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                self.client.begin_step()
-                try:
-                    for layer in self.info.moe_layers:
-                        self.client.forward(layer, self.x, self.ids, self.w)
-                finally:
-                    self.failed += len(self.client.end_step())
-                self.steps += 1
-        except Exception as exc:  # noqa: BLE001 (reported with the numbers)
-            self.error = f"{type(exc).__name__}: {exc}"
-
-
 def _phases(to_tp: list, to_ep: list) -> str:
     """The last round's time per layer and phase, and where the added weights came from."""
     rows = ["| layer | to | add s | monitor shows s | drop s | freed s | parts/experts added "
@@ -438,7 +415,7 @@ def main() -> int:
         idle = switch_rounds(switcher, info, group, sampler, args.switches)
         follower = EaasClient(group, info, ModelIdentity.of(model, info), dtype,
                               "bench-switch-load", monitor=monitor.address)
-        stepper = Stepper(follower, info, args.load_tokens)
+        stepper = Stepper(follower, info, routing(info, args.load_tokens, 1.0, seed=7))
         stepper.start()
         time.sleep(1.0)
         say(f"switching the whole model {args.switches} times each way, under a client "
@@ -515,10 +492,6 @@ def main() -> int:
     layers = len(info.moe_layers)
     bound, weights_bound = (layers + 2) / layers, (layers + 1) / layers
 
-    def spread(values: list[float], fmt: str) -> str:
-        return (f"{statistics.median(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
-                if len(values) > 1 else f"{values[0]:{fmt}}")
-
     rows = ["| condition | way | seconds | peak resident / steady | peak expert weights / "
             "steady |", "|---|---|---:|---:|---:|"]
     for condition, rounds in (("idle", idle), (f"under load ({args.load_tokens} rows per "
@@ -526,10 +499,10 @@ def main() -> int:
         for to in ("tp", "ep"):
             rows.append(f"| {condition} | {'EP -> TP' if to == 'tp' else 'TP -> EP'} | "
                         f"{spread([r[to]['seconds'] for r in rounds], '.2f')} | "
-                        f"{spread([r[to]['rss'] for r in rounds], '.2f')}x | "
-                        f"{spread([r[to]['weights'] for r in rounds], '.2f')}x |")
+                        f"{spread([r[to]['rss'] for r in rounds], '.2f', 'x')} | "
+                        f"{spread([r[to]['weights'] for r in rounds], '.2f', 'x')} |")
     load_note = (f"The client under load made {stepper.steps} steps during the switches, "
-                 f"{stepper.failed} rows failed" + (f"; it stopped: {stepper.error}"
+                 f"{stepper.failed} rows failed" + (f"; {stepper.error}"
                                                     if stepper.error else "") + ".")
     report.add(
         f"Switch of the whole model ({layers} MoE layers, one after the other), "

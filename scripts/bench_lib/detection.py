@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import signal
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,8 @@ from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 
 from bench_lib.partition import Partition
+from bench_lib.stepper import Stepper, random_batch
+from bench_lib.report import spread
 
 # (heartbeat, suspect, loss): the one-stage detector before issue 34, and today's defaults
 TIMINGS = {"one stage (0.3 / 0.6 / 0.6 s)": (0.3, 0.6, 0.6),
@@ -75,35 +76,6 @@ def _placement(experts: int) -> list[list[int]]:
             for s in range(SERVERS)]
 
 
-class _Stepper(threading.Thread):
-    """Steps every MoE layer of ``client`` on a batch of ``tokens`` rows until stopped."""
-
-    def __init__(self, client: EaasClient, info: MoeModelInfo, tokens: int):
-        super().__init__(name="bench-stepper", daemon=True)
-        self.client, self.info = client, info
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(tokens, info.hidden_size, generator=g)
-        self.ids = torch.stack([torch.randperm(info.num_experts, generator=g)[:info.top_k]
-                                for _ in range(tokens)])
-        self.w = torch.full((tokens, info.top_k), 1.0 / info.top_k)
-        self.stop = threading.Event()
-        self.steps = self.failed = 0
-
-    def run(self) -> None:
-        self.error = ""
-        try:
-            while not self.stop.is_set():
-                self.client.begin_step()
-                try:
-                    for layer in self.info.moe_layers:
-                        self.client.forward(layer, self.x, self.ids, self.w)
-                finally:
-                    self.failed += len(self.client.end_step())
-                self.steps += 1
-        except Exception as exc:  # reported with the numbers, not hidden
-            self.error = f"the stepping client failed: {type(exc).__name__}: {exc}"
-
-
 def _until(condition, bound: float) -> float | None:
     """Seconds until ``condition()`` holds, polled every 10 ms; None after ``bound``."""
     began = time.monotonic()
@@ -132,7 +104,7 @@ def measure(model: Path, timings: tuple[float, float, float], window: float, tok
     client = EaasClient([s.address for s in servers], info, ModelIdentity.of(model),
                         torch.float32, "bench-detection", monitor=monitor.address,
                         heartbeat=heartbeat)
-    stepper = _Stepper(client, info, tokens)
+    stepper = Stepper(client, info, random_batch(info, tokens))
     out = Measured()
     try:
         stepper.start()
@@ -181,7 +153,7 @@ def measure(model: Path, timings: tuple[float, float, float], window: float, tok
         stepper.stop.set()
         stepper.join(30)
         out.failed_rows, out.steps = stepper.failed, stepper.steps
-        if getattr(stepper, "error", ""):
+        if stepper.error:
             out.notes.append(stepper.error)
         for server in servers:
             try:
@@ -196,18 +168,6 @@ def measure(model: Path, timings: tuple[float, float, float], window: float, tok
     return out
 
 
-def _cell(values: list, fmt: str) -> str:
-    """median [min-max] of the values seen; 'never' for a value never seen."""
-    seen = [v for v in values if v is not None]
-    missed = len(values) - len(seen)
-    if not seen:
-        return "not seen"
-    text = format(statistics.median(seen), fmt)
-    if len(seen) > 1:
-        text += f" [{format(min(seen), fmt)}-{format(max(seen), fmt)}]"
-    return text + (f" ({missed} not seen)" if missed else "")
-
-
 def table(results: dict[tuple[str, str], list[Measured]], window: float) -> list[str]:
     """The markdown table: one row per (timings, condition), medians [min-max] of the runs."""
     rows = [
@@ -219,14 +179,14 @@ def table(results: dict[tuple[str, str], list[Measured]], window: float) -> list
     ]
     for (timings, condition), runs in results.items():
         def col(name: str, fmt: str) -> str:
-            return _cell([getattr(r, name) for r in runs], fmt)
+            return spread([getattr(r, name) for r in runs], fmt)
 
         rows.append(
             f"| {timings} | {condition} | "
-            f"{_cell([r.false_suspicions * 60 / window for r in runs], '.1f')} | "
+            f"{spread([r.false_suspicions * 60 / window for r in runs], '.1f')} | "
             f"{col('false_losses', 'd')} | {col('failed_rows', 'd')} | "
             f"{col('server_gap_ms', 'd')} / {col('client_gap_ms', 'd')} | "
-            f"{_cell([100 * r.late_share for r in runs], '.2f')}% | {col('kill_s', '.2f')} | "
+            f"{spread([100 * r.late_share for r in runs], '.2f')}% | {col('kill_s', '.2f')} | "
             f"{col('stop_routed_s', '.2f')} | {col('stop_back_s', '.2f')} | "
             f"{col('partition_suspected_s', '.2f')} | {col('partition_lost_s', '.2f')} |")
     return rows

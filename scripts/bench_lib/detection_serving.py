@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from sglang_eaas.monitor.server import MonitorConfig, MonitorServer
 from sglang_eaas.protocol.monitor import CLIENT, SERVER
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer
 
-from bench_lib.report import say
+from bench_lib.report import say, spread
 from bench_lib.streams import closed_loop, throughput
 
 ONE_STAGE_LOSS = 0.6  # the embedded monitor's loss timeout before issue 34
@@ -137,12 +136,6 @@ def _window(url: str, monitor: MonitorServer, gaps: _Gaps, vocab: int, window: f
     return out
 
 
-def _cell(values: list[float], fmt: str) -> str:
-    text = format(statistics.median(values), fmt)
-    return text + (f" [{format(min(values), fmt)}-{format(max(values), fmt)}]"
-                   if len(values) > 1 else "")
-
-
 def table(results: dict[str, list[Window]]) -> list[str]:
     """One row per condition: median [min-max] of the runs."""
     rows = [
@@ -154,7 +147,7 @@ def table(results: dict[str, list[Window]]) -> list[str]:
     ]
     for name, runs in results.items():
         def col(get, fmt: str) -> str:
-            return _cell([get(w) for w in runs], fmt)
+            return spread([get(w) for w in runs], fmt)
 
         rows.append(
             f"| {name} | {col(lambda w: w.failed_requests, 'd')} | "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -85,6 +86,20 @@ def header_lines() -> list[str]:
         f"{package_version('torch')}, sglang {package_version('sglang')}",
         f"- CPU flags: {cpu_flags()}",
     ]
+
+
+def spread(values: list, fmt: str, suffix: str = "") -> str:
+    """``median [min-max]`` of ``values`` (runs) in ``fmt``, ``suffix`` after the median (e.g.
+    ``"x"``); the value alone for one run. A value of None (not seen in that run) is left out
+    and counted: ``not seen`` when none was."""
+    seen = [v for v in values if v is not None]
+    missed = len(values) - len(seen)
+    if not seen:
+        return "not seen"
+    text = format(statistics.median(seen), fmt) + suffix
+    if len(seen) > 1:
+        text += f" [{format(min(seen), fmt)}-{format(max(seen), fmt)}]"
+    return text + (f" ({missed} not seen)" if missed else "")
 
 
 def say(message: str, who: str = "bench") -> None:
