@@ -191,8 +191,9 @@ def test_device_exchange_equals_the_host_exchange(client_of, tiny_qwen3):
 
 def test_replicas_are_split_per_request_as_on_the_host_path(client_of, tiny_qwen3, monkeypatch):
     """A batch longer than one request is sent in several; within each, the entries of a
-    replicated expert are dealt by load within the request, as the host path deals them. (Split over the whole batch instead, a row's three or more partial sums
-    would add in another order: other bits, with top-4.)"""
+    replicated expert are dealt by load within the request, as the host path deals them. (Split
+    over the whole batch instead, a row's three or more partial sums would add in another
+    order: other bits, with top-4.)"""
     info = MoeModelInfo.from_model_path(tiny_qwen3)
     client = client_of("requests")
     sent = []
