@@ -122,9 +122,7 @@ def measure(tree_env: dict, model: Path, extra: tuple[str, ...], name: str,
         out = {}
         for c in args.concurrency:
             out[c] = serving_client.run(
-                server.url, model, ["--dataset-name", "random-ids", "--random-input-len",
-                                    str(args.input_len), "--random-output-len",
-                                    str(args.output_len), "--random-range-ratio", "1.0"],
+                server.url, model, serving_client.random_ids(args.input_len, args.output_len),
                 args.prompts_per_slot * c, c, args.log_dir / f"bench-guard-{name}-c{c}.log")
             say(f"  c={c}: {out[c]['output_throughput']:.1f} output tok/s, TPOT "
                 f"{out[c]['mean_tpot_ms']:.1f} ms")

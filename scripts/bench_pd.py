@@ -98,8 +98,7 @@ def config(model: Path, setting: str, servers: int) -> dict:
 
 def dataset_args(dataset: str, args: argparse.Namespace, sharegpt_file: Path) -> list[str]:
     if dataset == "random-ids":
-        return ["--dataset-name", "random-ids", "--random-input-len", str(args.input_len),
-                "--random-output-len", str(args.output_len), "--random-range-ratio", "1.0"]
+        return serving_client.random_ids(args.input_len, args.output_len)
     return ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt_file),
             "--sharegpt-output-len", str(args.output_len), "--sharegpt-context-len", "2048"]
 

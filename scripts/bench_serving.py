@@ -60,9 +60,7 @@ def bench_serving(server: SGLangServer, model: Path, concurrency: int, args: arg
                   log: Path) -> dict:
     """One ``python -m sglang.bench_serving`` run; its result record (the JSON it writes)."""
     return serving_client.run(
-        server.url, model, ["--dataset-name", "random-ids", "--random-input-len",
-                            str(args.input_len), "--random-output-len", str(args.output_len),
-                            "--random-range-ratio", "1.0"],
+        server.url, model, serving_client.random_ids(args.input_len, args.output_len),
         args.prompts_per_slot * concurrency, concurrency, log)
 
 

@@ -38,15 +38,20 @@ def git_commit(root: Path = ROOT) -> str:
     return commit + ("-dirty" if dirty else "")
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+def _cpuinfo(field: str) -> str | None:
+    """The first value of ``field`` in /proc/cpuinfo (Linux); None where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.partition(":")[2].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
 
 
 # the instruction sets a CPU kernel's path depends on (the expert server's kernel, torch's GEMMs)
@@ -56,15 +61,11 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf1
 
 def cpu_flags() -> str:
     """Which of ``KERNEL_FLAGS`` the CPU has, from /proc/cpuinfo (Linux; else 'unknown')."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.partition(":")[2].split())
-                return " ".join(f for f in KERNEL_FLAGS if f in have) or "none of " + " ".join(
-                    KERNEL_FLAGS)
-    except OSError:
-        pass
-    return "unknown"
+    flags = _cpuinfo("flags")
+    if flags is None:
+        return "unknown"
+    have = set(flags.split())
+    return " ".join(f for f in KERNEL_FLAGS if f in have) or "none of " + " ".join(KERNEL_FLAGS)
 
 
 def package_version(name: str) -> str:

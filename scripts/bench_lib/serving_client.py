@@ -11,6 +11,13 @@ import tempfile
 from pathlib import Path
 
 
+def random_ids(input_len: int, output_len: int) -> list[str]:
+    """bench_serving's dataset flags for prompts of ``input_len`` random token ids and outputs of
+    exactly ``output_len`` tokens."""
+    return ["--dataset-name", "random-ids", "--random-input-len", str(input_len),
+            "--random-output-len", str(output_len), "--random-range-ratio", "1.0"]
+
+
 def run(url: str, tokenizer: Path, dataset_args: list[str], num_prompts: int,
         concurrency: int, log: Path) -> dict:
     """One ``python -m sglang.bench_serving --backend sglang`` run against ``url`` with
