@@ -34,6 +34,9 @@ from sglang_eaas.protocol.monitor import (
 
 logger = logging.getLogger(__name__)
 DEPARTURES_KEPT = 64
+# the per-kind departure counters (``servers_lost``, ``clients_left``, ...) by reason
+DEPARTED_AS = {LEFT: "left", REPLACED: "replaced", RESULT_TIMEOUT: "evicted",
+               CONNECTION_CLOSED: "lost", NO_HEARTBEAT: "lost"}
 
 
 @dataclass
@@ -208,11 +211,11 @@ class Registry:
         self._incarnations.pop(member.incarnation, None)
         self._departures.append(Departure(member.kind, member.id, member.incarnation, why,
                                           self.revision + 1, reason))
-        self.counters[f"{member.kind}s_{why.split(':')[0].split(' ')[0]}"] += 1
+        self.counters[f"{member.kind}s_{DEPARTED_AS[reason]}"] += 1
         if reason not in (LEFT, REPLACED):
             self.counters[f"losses_{reason}"] += 1
         self._bump()
-        log = logger.info if why == "left" else logger.warning
+        log = logger.info if reason == LEFT else logger.warning
         log("%s %s (incarnation %s) %s", member.kind, member.id, member.incarnation, why)
 
     def snapshot(self) -> Snapshot:
