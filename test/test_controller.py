@@ -189,6 +189,7 @@ def test_the_tcp_monitor_learns_the_running_operation_and_the_epoch_again_after_
         held.progress("halfway")
         monitor.kill()
         monitor.wait()
+        time.sleep(3 * TTL + 1)  # away for longer than 3 ttls, as a restart on a busy host is
         monitor = _standalone_monitor(address, log)
         wait_until(lambda: server.address in {m.id for m in current_snapshot(
             address, TOKEN).servers()}, 10, "the server's registration again")

@@ -5,7 +5,12 @@ changes carry) when it cannot.
 ``LeaseKeeper`` renews every quarter of the lease's ttl. A renewal refused or unanswered is
 followed by a reclaim (the monitor restarted and lost the lease, or it lapsed with nobody
 taking it since): granted, the work goes on (under a new epoch over etcd); refused, or the
-monitor unreachable for ``UNREACHABLE`` ttls, the lease is lost and the fence says so.
+monitor unreachable for ``patience(ttl)``, the lease is lost and the fence says so.
+
+The patience is ``UNREACHABLE`` ttls but never under ``PATIENCE_FLOOR``: a standalone monitor
+that restarts is away for as long as a process start takes, which on a loaded host (or a pod
+rescheduled) is many seconds whatever the ttl. Waiting longer is safe: a reclaim is granted
+only where no lease was granted since, and servers refuse changes of an older epoch.
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ from sglang_eaas.protocol.lines import Refused
 from sglang_eaas.protocol.operations import Fence, OperationRecord
 
 logger = logging.getLogger(__name__)
-UNREACHABLE = 3  # ttls without reaching the monitor before the lease counts as lost
+UNREACHABLE = 3  # ttls without reaching the monitor before the lease counts as lost...
+PATIENCE_FLOOR = 30.0  # ...but never fewer seconds than this
+
+
+def patience(ttl: float) -> float:
+    """Seconds without reaching the monitor before a holder's lease counts as lost."""
+    return max(UNREACHABLE * ttl, PATIENCE_FLOOR)
 
 
 class LeaseKeeper:
@@ -61,9 +72,9 @@ class LeaseKeeper:
                 why = str(exc)
             if self._reclaim(why):
                 reached = time.monotonic()
-            elif self.fence.lost or time.monotonic() - reached > UNREACHABLE * self.ttl:
+            elif self.fence.lost or time.monotonic() - reached > patience(self.ttl):
                 self.fence.lose(self.fence.lost or f"the monitor was unreachable for "
-                                f"{UNREACHABLE * self.ttl:.0f}s: {why}")
+                                f"{patience(self.ttl):.0f}s: {why}")
                 logger.warning("operation lease lost: %s", self.fence.lost)
                 return
 
