@@ -3,6 +3,9 @@
 # it (scripts/bench_paste.py). Prints each run's wall time and the total, so the doc can say how
 # long a full rerun takes. Run it on an otherwise idle machine, on a committed tree (each
 # report's header names the commit, '-dirty' otherwise).
+#   bash scripts/bench_all.sh                    every benchmark
+#   bash scripts/bench_all.sh fabric elastic     only the runs whose command contains one of
+#                                                these words (then the paste, as always)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -18,6 +21,7 @@ runs=(
   "scripts/bench_faults.py --fault stop --out .cache/bench/faults-stop.md"
   "scripts/bench_faults.py --fault replace --kills 2 --duration 40"
   "scripts/bench_faults.py --hog --memory-pressure 8"
+  "scripts/bench_faults.py --hog 6 --sglang --fsync-writer --memory-pressure 8 --window 20"
   "scripts/bench_fabric.py"
   "scripts/bench_elastic.py"
   "scripts/bench_autoscale.py"
@@ -31,6 +35,19 @@ runs=(
   "scripts/bench_live_balance.py"
   "scripts/bench_esft.py"
 )
+if (($#)); then
+  picked=()
+  for run in "${runs[@]}"; do
+    for word in "$@"; do
+      if [[ "$run" == *"$word"* ]]; then picked+=("$run"); break; fi
+    done
+  done
+  if ((${#picked[@]} == 0)); then
+    echo "bench_all: no benchmark's command contains any of: $*" >&2
+    exit 2
+  fi
+  runs=("${picked[@]}")
+fi
 began=$SECONDS
 for run in "${runs[@]}"; do
   start=$SECONDS
