@@ -62,9 +62,13 @@ stamp_file="$venv/.sglang-eaas-setup"
 stamp="$(cat "$root/setup.py" "$root/scripts/setup.sh" "$root/requirements/"*.txt \
   "$root/sgl-kernel-ext/csrc/cpu/"* "$root/sgl-kernel-ext/sgl_kernel_ext/cpu_ops.py" | sha256sum | cut -d' ' -f1) $mode $("$python" -V 2>&1)"
 if [[ -f "$stamp_file" && "$(cat "$stamp_file")" == "$stamp" ]]; then
-  # A venv kept from another checkout (a CI cache) lacks this checkout's in-place native build.
-  if ! "$venv/bin/python" -c "import ibgda._host_atomics" 2>/dev/null; then
-    step "building ibgda's native module into this checkout (the venv is kept from another)"
+  # A venv kept from another checkout (a CI cache) lacks this checkout's in-place native build,
+  # and its editable install names the other checkout (whose code it would import if it is
+  # still there).
+  if ! "$venv/bin/python" -c "import ibgda._host_atomics, sglang_eaas, sys; sys.exit(not (
+      ibgda._host_atomics.__file__.startswith('$root/') and sglang_eaas.__file__.startswith('$root/')))" \
+      2>/dev/null; then
+    step "installing this checkout and building ibgda's native module into it (the venv is kept from another)"
     if ! built="$("$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
         --no-deps --no-build-isolation -e "$root" 2>&1)"; then  # setuptools' warnings: noise
       echo "$built" >&2
