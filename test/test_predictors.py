@@ -191,7 +191,8 @@ def _tool(out: Path, *extra: str) -> int:
     return train_predictors.main([
         "--model", str(CKPT), "--out", str(out), "--max-requests", "100", "--request-tokens",
         "64", "--chunks-per-file", "1", "--batch-size", "8", "--steps", "20",
-        "--threshold", "1.0", "--cost-tokens", "8", *extra])
+        "--threshold", "1.0", "--cost-tokens", "8", "--cost-repeat", "10", "--threads", "1",
+        *extra])
 
 
 def test_small_fresh_run_is_deterministic(tmp_path, capsys):

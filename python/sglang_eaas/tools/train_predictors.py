@@ -44,10 +44,10 @@ def median_seconds(fn, repeat: int = 200, blocks: int = 5, warmup: int = 20) -> 
     return statistics.median(times)
 
 
-def measure_cost(model, predictors, trace, tokens: int) -> list[dict]:
+def measure_cost(model, predictors, trace, tokens: int, repeat: int = 200) -> list[dict]:
     """Per predicted layer: the predictor's whole ``predict`` (matmul, softmax, top-k, count)
     on ``tokens`` router inputs, against the target layer's MoE block forward (router and
-    routed experts) on the same tokens."""
+    routed experts) on the same tokens; each the median of 5 means of ``repeat`` calls."""
     import torch
 
     rows = []
@@ -57,8 +57,9 @@ def measure_cost(model, predictors, trace, tokens: int) -> list[dict]:
             target = predictors.target_of(source)
             xs, xt = x[trace.row(source)].contiguous(), x[trace.row(target)][None].contiguous()
             block = model.model.layers[target].mlp
-            p = median_seconds(lambda: predictors.predict(source, xs))
-            m = median_seconds(lambda: block(xt))
+            p = median_seconds(lambda: predictors.predict(source, xs), repeat,
+                               warmup=min(20, repeat))
+            m = median_seconds(lambda: block(xt), repeat, warmup=min(20, repeat))
             rows.append({"source": source, "target": target, "tokens": tokens,
                          "predictor_us": round(p * 1e6, 1), "moe_block_us": round(m * 1e6, 1),
                          "ratio": round(p / m, 4)})
@@ -157,7 +158,7 @@ def _run(args, log) -> dict:
                          cfg, log=lambda line: log(f"  {line}"))
     tune_seconds = time.monotonic() - t0
     log(f"[4/4] cost per step of {args.cost_tokens} tokens")
-    cost = measure_cost(model, predictors, trace, args.cost_tokens)
+    cost = measure_cost(model, predictors, trace, args.cost_tokens, args.cost_repeat)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     predictors.save(args.out)
     report = {
@@ -229,6 +230,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--cost-tokens", type=int, default=32,
                         help="tokens per step when timing a predictor against its MoE block "
                         "(default 32, at most --request-tokens)")
+    parser.add_argument("--cost-repeat", type=int, default=200,
+                        help="calls per timed block when timing a predictor and its MoE block "
+                        "(the median of 5 blocks; default 200)")
     parser.add_argument("--save-trace", type=Path,
                         help="also write the recorded trace (safetensors; about 1 GB at the "
                         "defaults)")
@@ -244,7 +248,7 @@ def parse_args(argv: list[str] | None = None):
          "--cost-tokens must be between 1 and --request-tokens"),
     ] + [(getattr(args, n) >= 1, f"--{n.replace('_', '-')} must be >= 1") for n in (
         "batch_size", "request_tokens", "chunks_per_file", "record_batch", "tune_batch",
-        "threads")]
+        "threads", "cost_repeat")]
     for ok, sentence in checks:
         if not ok:
             parser.error(sentence)
