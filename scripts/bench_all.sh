@@ -10,6 +10,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py="${SGLANG_EAAS_VENV:-$root/.venv}/bin/python"
+paste_args=()
 runs=(
   "scripts/bench_eaas.py"
   "scripts/bench_ablation.py"
@@ -47,6 +48,7 @@ if (($#)); then
     exit 2
   fi
   runs=("${picked[@]}")
+  paste_args=(--present)  # the other blocks keep what they have
 fi
 began=$SECONDS
 for run in "${runs[@]}"; do
@@ -55,5 +57,5 @@ for run in "${runs[@]}"; do
   eval "\"$py\" $run"
   echo "bench_all: $run took $((SECONDS - start)) s" >&2
 done
-"$py" scripts/bench_paste.py
+"$py" scripts/bench_paste.py "${paste_args[@]}"
 echo "bench_all: every benchmark in $((SECONDS - began)) s ($(( (SECONDS - began) / 60 )) min)" >&2

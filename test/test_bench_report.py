@@ -50,6 +50,15 @@ def test_paste_refills_every_block_from_its_file_and_nothing_else(tmp_path):
 def test_paste_names_a_report_not_written_yet(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.md does not exist: run the benchmark"):
         paste("<!-- report: missing.md -->\n<!-- end of report -->\n", tmp_path)
+    # after a subset of the benchmarks (--present): that block keeps what it had
+    (tmp_path / "new.md").write_text("new\n")
+    doc = ("<!-- report: missing.md -->\nold\n<!-- end of report -->\n"
+           "<!-- report: new.md -->\nstale\n<!-- end of report -->\n")
+    kept: list[str] = []
+    text, used = paste(doc, tmp_path, present=True, kept=kept)
+    assert (used, kept) == (["new.md"], ["missing.md"])
+    assert text == ("<!-- report: missing.md -->\nold\n<!-- end of report -->\n"
+                    "<!-- report: new.md -->\nnew\n<!-- end of report -->\n")
 
 
 def test_every_report_block_in_the_docs_carries_its_header():
