@@ -27,16 +27,21 @@ pytestmark = pytest.mark.slow  # each case starts SGLang's launcher (about 10 s 
 PARALLEL = 4
 
 
+def _server_args(model, args) -> list[str]:
+    """``launch_server``'s arguments for one case: the model, ``--eaas``, then ``args``."""
+    return ["--model-path", str(model), "--eaas", *args]
+
+
 def _launch(model, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path",
-                           str(model), "--eaas", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "sglang.launch_server",
+                           *_server_args(model, args)], capture_output=True, text=True,
                           timeout=300)
 
 
 def _launch_forked(model, cases: list[list[str]], tmp_path) -> list[SimpleNamespace]:
     """``_launch(model, *args)`` for each of ``cases``, forked after one import of SGLang."""
     (tmp_path / "cases.json").write_text(json.dumps(
-        [["--model-path", str(model), "--eaas", *args] for args in cases]))
+        [_server_args(model, args) for args in cases]))
     subprocess.run([sys.executable, str(Path(__file__).parent / "forked_launches.py"),
                     str(tmp_path / "cases.json"), str(tmp_path / "results.json"),
                     str(PARALLEL)], check=True, timeout=600)

@@ -31,8 +31,11 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
-def median_seconds(fn, repeat: int = 200, blocks: int = 5, warmup: int = 20) -> float:
-    """Median over ``blocks`` of the mean time of ``repeat`` calls (after ``warmup`` calls)."""
+def median_seconds(fn, repeat: int = 200, blocks: int = 5, warmup: int | None = None) -> float:
+    """Median over ``blocks`` of the mean time of ``repeat`` calls (after ``warmup`` calls:
+    by default 20, or ``repeat`` if fewer)."""
+    if warmup is None:
+        warmup = min(20, repeat)
     for _ in range(warmup):
         fn()
     times = []
@@ -57,9 +60,8 @@ def measure_cost(model, predictors, trace, tokens: int, repeat: int = 200) -> li
             target = predictors.target_of(source)
             xs, xt = x[trace.row(source)].contiguous(), x[trace.row(target)][None].contiguous()
             block = model.model.layers[target].mlp
-            p = median_seconds(lambda: predictors.predict(source, xs), repeat,
-                               warmup=min(20, repeat))
-            m = median_seconds(lambda: block(xt), repeat, warmup=min(20, repeat))
+            p = median_seconds(lambda: predictors.predict(source, xs), repeat)
+            m = median_seconds(lambda: block(xt), repeat)
             rows.append({"source": source, "target": target, "tokens": tokens,
                          "predictor_us": round(p * 1e6, 1), "moe_block_us": round(m * 1e6, 1),
                          "ratio": round(p / m, 4)})
