@@ -171,3 +171,43 @@ def test_a_plan_over_budget_keeps_the_layers_that_gain_most():
     assert {m.layer for m in cut.moves} == {1}  # layer 1 gains most and fits the budget
     assert cut.after[0] == made.after[0] and cut.after[1] == made.before[1]
     assert within_budget(made, 10 ** 6) is made
+
+
+def test_a_complete_step_ends_the_requests_it_does_not_hold():
+    import torch
+
+    book = RoutingBook(LAYERS, E, K)
+    for layer in LAYERS:
+        book.note(layer, torch.zeros((3, K), dtype=torch.int64))  # the device path's tensors
+    book.end_step([StepRequest("a", 2, False, 5), StepRequest("b", 1, False, 5)])
+    assert book.running == 2 and book.profile("a")[0, 0] == 2 * K
+    for layer in LAYERS:
+        book.note(layer, np.ones((1, K), dtype=np.int64))
+    book.end_step([StepRequest("a", 1, True, 4)])  # a prefill step would not end b...
+    assert book.running == 2
+    for layer in LAYERS:
+        book.note(layer, np.ones((1, K), dtype=np.int64))
+    book.end_step([StepRequest("a", 1, True, 3)], complete=True)  # ...a decode step does
+    assert book.running == 1 and book.profile("b") is None
+
+
+def test_the_balance_flags_are_checked_in_one_sentence():
+    from argparse import ArgumentParser
+
+    from sglang_eaas.config import add_cli_args, balance_settings
+
+    parser = ArgumentParser()
+    add_cli_args(parser)
+
+    def settings(*argv):
+        return balance_settings(parser.parse_args(list(argv)))
+
+    assert settings() is None and settings("--eaas-balance", "off") is None
+    got = settings("--eaas-balance", "predictive", "--eaas-balance-cooldown", "3",
+                   "--eaas-balance-slots", "12")
+    assert (got.mode, got.cooldown, got.slots, got.trigger) == ("predictive", 3.0, 12, 1.15)
+    with pytest.raises(ValueError, match="--eaas-balance-horizon only apply with --eaas-balance "
+                       "reactive or predictive"):
+        settings("--eaas-balance-horizon", "2")
+    with pytest.raises(ValueError, match="--eaas-balance-trigger >= 1"):
+        settings("--eaas-balance", "reactive", "--eaas-balance-trigger", "0.9")

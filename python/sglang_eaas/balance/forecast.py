@@ -18,7 +18,9 @@ it gets.
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -65,16 +67,32 @@ class RoutingBook:
         self._decode_steps = 0
         self.steps = 0
         self.unattributed = 0  # steps whose rows did not tile their requests' (left out)
+        self.cost = 0.0  # seconds spent in end_step and forecast, all told
+        self._ends: collections.deque[float] = collections.deque(maxlen=64)  # end_step times
         self._lock = threading.Lock()
 
-    def note(self, layer: int, ids: np.ndarray, row_offset: int = 0) -> None:
+    def note(self, layer: int, ids, row_offset: int = 0) -> None:
         """One MoE layer call's ``[T, K]`` global expert ids (< 0: none), rows from
-        ``row_offset`` in the step."""
+        ``row_offset`` in the step: a numpy array, or a tensor on any device (read at
+        ``end_step``)."""
         if layer in self._row:
             self._step.setdefault(layer, []).append((row_offset, ids))
 
-    def end_step(self, requests: Sequence[StepRequest]) -> None:
-        """The step is over: its rows to their requests (``requests`` in row order)."""
+    def end_step(self, requests: Sequence[StepRequest], complete: bool = False) -> None:
+        """The step is over: its rows to their requests (``requests`` in row order).
+        ``complete``: the step held every running request (SGLang's decode batch is its whole
+        running batch), so a request not in it has ended (stopped at EOS, aborted) and leaves
+        the book; otherwise requests leave when they end in a step, or after ``forget_after``
+        steps unseen."""
+        began = time.perf_counter()
+        try:
+            self._end_step(requests, complete)
+        finally:
+            ended = time.perf_counter()
+            self._ends.append(ended)
+            self.cost += ended - began
+
+    def _end_step(self, requests: Sequence[StepRequest], complete: bool) -> None:
         step, self._step = self._step, {}
         self.steps += 1
         if not requests:
@@ -82,7 +100,8 @@ class RoutingBook:
         rows = sum(r.rows for r in requests)
         L, E, R = len(self.layers), self.num_experts, len(requests)
         layers = [self._row[layer] for layer in step]
-        tiled = [_assemble(step[layer]) for layer in step]
+        tiled = [_assemble([(offset, _host(ids)) for offset, ids in step[layer]])
+                 for layer in step]
         if any(ids is None or len(ids) < rows for ids in tiled):
             self.unattributed += 1
             tiled = []
@@ -103,9 +122,13 @@ class RoutingBook:
             if tiled and decode.any():
                 self._decoded += counts[:, decode].sum(axis=1)
                 self._decode_steps += 1
+            keys = {r.key for r in requests}
             for r in requests:
                 if r.finished or r.remaining <= 0:
                     self._release(r.key)
+            if complete:
+                for key in [k for k in self._slot if k not in keys]:
+                    self._release(key)
             for key in [k for k, slot in self._slot.items()
                         if self.steps - self._seen[slot] > self.forget_after]:
                 self._release(key)
@@ -146,6 +169,7 @@ class RoutingBook:
         """``[L, E]`` float64: the decode entries the running requests make over the next
         ``steps`` steps, each ``min(steps, remaining) * top_k`` per layer spread as its profile
         spreads them (a request with no entries yet in a layer adds none there)."""
+        began = time.perf_counter()
         with self._lock:
             live = np.fromiter(self._slot.values(), dtype=np.int64)
             counts = self._counts[live].astype(np.float64)  # a copy: the step goes on
@@ -153,7 +177,14 @@ class RoutingBook:
         total = counts.sum(axis=2, keepdims=True)
         share = np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
         weight = np.minimum(steps, remaining).astype(np.float64) * self.top_k
-        return np.einsum("r,rle->le", weight, share)
+        out = np.einsum("r,rle->le", weight, share)
+        self.cost += time.perf_counter() - began
+        return out
+
+    def step_seconds(self) -> float | None:
+        """The mean time between the last steps' ends (None before two)."""
+        ends = list(self._ends)
+        return (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else None
 
     def take_decoded(self) -> tuple[np.ndarray, int]:
         """The decode entries ``[L, E]`` since the last call, and the decode steps they came
@@ -162,6 +193,11 @@ class RoutingBook:
             decoded, self._decoded = self._decoded, np.zeros_like(self._decoded)
             steps, self._decode_steps = self._decode_steps, 0
         return decoded, steps
+
+
+def _host(ids) -> np.ndarray:
+    """``ids`` as a host numpy array (the device path notes tensors: read once per step)."""
+    return ids if isinstance(ids, np.ndarray) else ids.cpu().numpy()
 
 
 def _assemble(parts: list[tuple[int, np.ndarray]]) -> np.ndarray | None:
