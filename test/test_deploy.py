@@ -279,6 +279,55 @@ def test_log_files_name_each_part(tmp_path):
     assert len(set(listening)) == len(listening)
 
 
+# -- SGLang's own parser, duplicate keys ---------------------------------------------------
+def test_sglang_choices_are_checked_by_sglangs_own_parser():
+    """The transfer backend and the instances' flags are refused as SGLang's parser would
+    refuse them, before anything starts: its choices, not a copied list."""
+    from sglang_eaas.deploy.config import sglang_choices, sglang_parser
+
+    backends = sglang_choices("--disaggregation-transfer-backend")
+    action = next(a for a in sglang_parser()._actions
+                  if "--disaggregation-transfer-backend" in a.option_strings)
+    assert backends == list(action.choices) and "mooncake_tcp" in backends
+    with pytest.raises(DeployConfigError) as refused:
+        parse_config(config(sglang={"args": SGLANG_ARGS, "prefill": {}, "decode": {},
+                                    "transfer_backend": "nixl_x"}))
+    assert str(refused.value) == (f"sglang.transfer_backend: 'nixl_x' is not one of SGLang's "
+                                  f"transfer backends ({', '.join(backends)})")
+    for backend in backends:  # each of SGLang's is taken
+        cfg = parse_config(config(sglang={"prefill": {}, "decode": {},
+                                          "transfer_backend": backend}))
+        assert cfg.sglang.transfer_backend == backend
+    with pytest.raises(DeployConfigError, match=r"^sglang.decode.args: SGLang's parser refuses "
+                       r"it: --attention-backend: invalid choice: 'nonsense' \(choose from "):
+        parse_config(config(sglang={"prefill": {}, "decode": {
+            "args": ["--attention-backend", "nonsense"]}}))
+    with pytest.raises(DeployConfigError, match=r"^sglang.args: SGLang's parser refuses it: "
+                       r"--max-running-requests: invalid int value: 'many'$"):
+        parse_config(config(sglang={"args": ["--max-running-requests", "many"], "plain": {}}))
+    # a flag SGLang does not know is left to its launch, which names it (test_a_part_...)
+    parse_config(config(sglang={"args": ["--no-such-flag"], "plain": {}}))
+
+
+DUPLICATED = [
+    ("model: M\nrouter:\n  port: 0\nrouter: {port: 1}\n",
+     "router: given twice in {path}, at lines 2 and 4; give each key once"),
+    ("model: M\nsglang:\n  prefill:\n    count: 1\n    count: 2\n  decode: {}\n",
+     "sglang.prefill.count: given twice in {path}, at lines 4 and 5; give each key once"),
+    ("model: M\nexpert_servers:\n  experts: [{a: 1, a: 2}]\n",
+     "expert_servers.experts[0].a: given twice in {path}, at lines 3 and 3; give each key once"),
+]
+
+
+@pytest.mark.parametrize("text,sentence", DUPLICATED, ids=["top", "nested", "in a list"])
+def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path, text, sentence):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text.replace("M", str(MODEL)))
+    with pytest.raises(DeployConfigError) as refused:
+        load_config(path)
+    assert str(refused.value) == sentence.format(path=path)
+
+
 # -- a full PD deployment -----------------------------------------------------------------
 @dataclass
 class Running:
