@@ -11,7 +11,8 @@ KV over SGLang's Mooncake backend on TCP), both ``--eaas`` clients of the pool, 
 in front. On the trained checkpoint (top-4, float32) greedy tokens through router -> prefill ->
 decode equal monolithic SGLang's without PD; an expert server SIGKILLed while eight streams
 decode loses no request and changes no token, and the deployment starts it again; after SIGTERM
-it exits 0 with none of the processes it started left, nor their shared-memory files.
+it exits 0 with none of the processes it started left, and no file in /dev/shm that was not there
+before it started (but files live processes use).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -328,6 +330,137 @@ def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path, text, se
     assert str(refused.value) == sentence.format(path=path)
 
 
+# -- ports the config fixes: checked free before anything starts ------------------------------
+def _listening() -> socket.socket:
+    """A socket listening on a free loopback port: a port some other program serves."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s
+
+
+def test_a_fixed_port_in_use_is_refused_naming_its_field(tmp_path):
+    from sglang_eaas.deploy.ports import busy_port
+
+    with _listening() as taken:
+        port = taken.getsockname()[1]
+        placement = tmp_path / "placement.yaml"
+        placement.write_text(yaml.safe_dump({"servers": {
+            f"127.0.0.1:{port}": list(range(32)), "127.0.0.1:1": list(range(32))}}))
+        cases = [
+            (config(router={"port": port}), f"router.port: port {port} is already in use"),
+            (config(router={"args": ["--prometheus-port", str(port)]}),
+             f"router.args (--prometheus-port): port {port} is already in use"),
+            (config(sglang={"args": [f"--nccl-port={port}"], "plain": {}}),
+             f"sglang.args (--nccl-port): port {port} is already in use"),
+            (config(expert_servers={"placement": str(placement)}),
+             f"expert_servers.placement (127.0.0.1:{port}): port {port} is already in use"),
+        ]
+        for data, sentence in cases:
+            assert busy_port(parse_config(data)) == sentence
+    free = port  # closed now
+    assert busy_port(parse_config(config(router={"port": free}))) is None
+    assert busy_port(parse_config(config(router={"port": free, "args": [
+        "--prometheus-port", str(free)]}))) == (
+        f"router.args (--prometheus-port): port {free} is also given by router.port; two parts "
+        "cannot listen on one port")
+
+
+def test_a_router_port_in_use_stops_the_command_before_anything_starts(tmp_path):
+    """The user's case: router.port taken. One sentence before any part starts (not the
+    router's traceback after the whole deployment started), exit status 1, no log folder."""
+    from sglang_eaas.deploy import DeployError, Deployment
+
+    with _listening() as taken:
+        port = taken.getsockname()[1]
+        cfg = parse_config(config(router={"port": port}))
+        deployment = Deployment(cfg, tmp_path / "api-logs")
+        with pytest.raises(DeployError, match=f"^router.port: port {port} is already in use$"):
+            deployment.start()
+        assert deployment.children() == [] and not (tmp_path / "api-logs").exists()
+        path = tmp_path / "taken.yaml"
+        path.write_text(yaml.safe_dump(config(router={"port": port})))
+        result = deploy(str(path), "--log-dir", str(tmp_path / "logs"), timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr == f"error: router.port: port {port} is already in use\n"
+    assert result.stdout == "deploy: did not start\n"
+    assert not (tmp_path / "logs").exists()
+
+
+# -- shared-memory files the parts leave ----------------------------------------------------
+HOLDER = """
+import mmap, os, sys, time
+folder = sys.argv[1]
+with open(os.path.join(folder, "sem.mp-abcd1234"), "w+b") as f:  # mapped, as sem_open does
+    f.truncate(4096)
+    mapped = mmap.mmap(f.fileno(), 4096)
+loads = os.open(os.path.join(folder, "sglang_loads_x_0123abcd.shm"), os.O_CREAT | os.O_RDWR)
+gone = os.path.join(folder, "unlinked")
+with open(gone, "w+b") as f:
+    f.truncate(4096)
+    kept = mmap.mmap(f.fileno(), 4096)
+os.unlink(gone)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_shm_files_a_part_had_in_use_are_removed_after_it_ends(tmp_path):
+    """A folder standing in for /dev/shm: the files a process had mapped or open (found from
+    /proc while it ran) are removed once it has ended, as are pid-stamped files of its pid;
+    a file another live process uses, a file replaced since, a file of another pid and any
+    other file are left."""
+    from sglang_eaas.deploy import shm
+
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    folder = folder.resolve()  # as /proc names it
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "ready\n"
+    used = shm.files_in_use(holder.pid, folder)
+    assert sorted(used) == ["sem.mp-abcd1234", "sglang_loads_x_0123abcd.shm"]
+    assert used["sem.mp-abcd1234"] == (folder / "sem.mp-abcd1234").stat().st_ino
+    processes = {(holder.pid, psutil.Process(holder.pid).create_time()),
+                 (os.getpid(), psutil.Process().create_time())}
+    stamped = folder / f"ibgda-{holder.pid}-00ff"
+    stamped.write_bytes(b"x")
+    alive_stamped = folder / f"ibgda-{os.getpid()}-00ff"  # its creator lives
+    alive_stamped.write_bytes(b"x")
+    other_stamped = folder / "ibgda-999999999-00ff"  # not a pid of the deployment
+    other_stamped.write_bytes(b"x")
+    (folder / "unrelated").write_bytes(b"x")
+    still_used = folder / "sem.mp-inuse000"  # the deployment had it; another process still has
+    still_used.write_bytes(b"x")
+    replaced = folder / "sem.mp-replaced"
+    replaced.write_bytes(b"x")
+    files = {**used, still_used.name: still_used.stat().st_ino,
+             replaced.name: replaced.stat().st_ino}
+    replaced.rename(folder / "renamed")  # the file lives on under another name ...
+    replaced.write_bytes(b"another file, same name")  # ... so this one has another inode
+    holder.kill()
+    holder.wait()
+    with open(still_used, "rb"):
+        removed, left = shm.remove_left(files, processes, folder)
+    assert sorted(removed) == [stamped.name, "sem.mp-abcd1234", "sglang_loads_x_0123abcd.shm"]
+    assert left == [f"{still_used} is still in use by another process; left there"]
+    assert sorted(os.listdir(folder)) == sorted([
+        alive_stamped.name, other_stamped.name, "unrelated", still_used.name, replaced.name,
+        "renamed"])
+    assert shm.remove_left(files, processes, folder) == ([still_used.name], [])
+
+
+def test_pid_stamped_names_are_read_as_their_makers_write_them():
+    from sglang.srt.utils.stale_shm_cleanup import make_shm_name
+
+    from sglang_eaas.deploy.shm import pid_stamp
+
+    assert pid_stamp(make_shm_name("mq")) == os.getpid()
+    assert pid_stamp(f"multi_tokenizer_args_{os.getpid()}") == os.getpid()
+    assert pid_stamp(f"ibgda-{os.getpid()}-0a1b") == os.getpid()
+    assert pid_stamp("sem.mp-x1y2z3w4") is None and pid_stamp("sglang_loads_a_b.shm") is None
+
+
 # -- a full PD deployment -----------------------------------------------------------------
 @dataclass
 class Running:
@@ -338,6 +471,7 @@ class Running:
     url: str
     table: dict[str, tuple[str, int]]  # part -> (address, pid)
     tree: list[tuple[int, float, list[str]]]  # every process under it, as seen so far
+    shm_before: dict[str, int]  # every file in /dev/shm before it started: name -> inode
 
     def output(self) -> str:
         return "".join(self.lines)
@@ -355,6 +489,7 @@ def pd_deployment(tmp_path_factory):
     # the monitor's default timings (a late heartbeat on these saturated cores is a suspicion)
     path.write_text(yaml.safe_dump(config(expert_servers={"count": 2, "replicas": 2,
                                                           "standby": 2})))
+    shm_before = _shm_files()
     command = subprocess.Popen(
         [sys.executable, "-m", "sglang_eaas.deploy", str(path), "--log-dir", str(tmp / "logs")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -366,7 +501,8 @@ def pd_deployment(tmp_path_factory):
         url = _wait_for_line(command, lines, "deploy: serving at ", timeout=900).split()[3]
         rows = re.findall(r"^([\w-]+) +(\S+).* (\d+) +\S+\.log$", "".join(lines), re.M)
         yield Running(command, lines, url, {name: (address, int(pid))
-                                            for name, address, pid in rows}, _tree(command.pid))
+                                            for name, address, pid in rows}, _tree(command.pid),
+                      shm_before)
     finally:
         if command.poll() is None:
             os.killpg(command.pid, signal.SIGKILL)
@@ -692,13 +828,52 @@ def test_sigterm_stops_the_deployment_in_order_leaving_nothing(pd_deployment):
         "deploy: stopping prefill-0, decode-0") < output.index(
         "deploy: stopping expert-server-0, expert-server-1") < output.index(
         "deploy: stopping monitor")
-    assert output.rstrip().endswith("deploy: stopped, no process left")
+    assert output.rstrip().endswith("deploy: stopped, no process or shared-memory file left")
     left = [(pid, cmd) for pid, created, cmd in running.tree if alive(pid, created)]
     assert not left
-    shm = [f for f in os.listdir("/dev/shm")
-           if any(f.startswith(f"ibgda-{pid}-") for pid, _, _ in running.tree)]
-    assert not shm
+    # Every file in /dev/shm now that was not there before the deployment started (the same
+    # name and inode) is a leak, whoever made it, unless a live process has it mapped or open:
+    # then it is that process's (the deployment's are all gone, checked above), e.g. the
+    # monolithic SGLang these tests compare with, started after the deployment. A file another
+    # program made and left meanwhile would fail the test too: on a machine running only the
+    # suite there is none, and excusing files by name or age would let the deployment's own
+    # through.
+    new = {name: inode for name, inode in _shm_files().items()
+           if running.shm_before.get(name) != inode}
+    used = _shm_inodes_in_use()
+    leaked = sorted(name for name, inode in new.items() if inode not in used)
+    assert not leaked, (leaked, [line for line in output.splitlines() if "/dev/shm" in line])
     assert not accepts(running.url.removeprefix("http://"))
+
+
+def _shm_files() -> dict[str, int]:
+    """Every file in /dev/shm now: name -> inode."""
+    files = {}
+    for entry in os.scandir("/dev/shm"):
+        try:
+            files[entry.name] = entry.inode()
+        except OSError:
+            pass
+    return files
+
+
+def _shm_inodes_in_use() -> set[int]:
+    """Inodes of the /dev/shm files some live process has mapped or open (psutil's view of
+    /proc/PID/maps and /proc/PID/fd, independent of the deploy command's own reading)."""
+    used = set()
+    for p in psutil.process_iter():
+        try:
+            paths = [m.path for m in p.memory_maps(grouped=False)]
+            paths += [f.path for f in p.open_files()]
+        except psutil.Error:
+            continue
+        for path in paths:
+            if path.startswith("/dev/shm/") and not path.endswith(" (deleted)"):
+                try:
+                    used.add(os.stat(path).st_ino)
+                except OSError:
+                    pass
+    return used
 
 
 def _wait_for_line(command: subprocess.Popen, lines: list[str], start: str,
