@@ -391,9 +391,12 @@ def test_a_router_port_in_use_stops_the_command_before_anything_starts(tmp_path)
 HOLDER = """
 import mmap, os, sys, time
 folder = sys.argv[1]
-with open(os.path.join(folder, "sem.mp-abcd1234"), "w+b") as f:  # mapped, as sem_open does
+# as glibc's sem_open makes sem.mp-*: a temporary file mapped, linked under the name, unlinked
+with open(os.path.join(folder, "sem.Xy12Zw"), "w+b") as f:
     f.truncate(4096)
     mapped = mmap.mmap(f.fileno(), 4096)
+os.link(os.path.join(folder, "sem.Xy12Zw"), os.path.join(folder, "sem.mp-abcd1234"))
+os.unlink(os.path.join(folder, "sem.Xy12Zw"))
 loads = os.open(os.path.join(folder, "sglang_loads_x_0123abcd.shm"), os.O_CREAT | os.O_RDWR)
 gone = os.path.join(folder, "unlinked")
 with open(gone, "w+b") as f:
@@ -448,6 +451,56 @@ def test_the_shm_files_a_part_had_in_use_are_removed_after_it_ends(tmp_path):
         alive_stamped.name, other_stamped.name, "unrelated", still_used.name, replaced.name,
         "renamed"])
     assert shm.remove_left(files, processes, folder) == ([still_used.name], [])
+
+
+def test_a_spawn_contexts_semaphore_is_found_under_its_name():
+    """What SGLang leaves: a multiprocessing semaphore of a spawn context, in the real
+    /dev/shm, is found under its sem.mp-* name though the process maps it as another."""
+    import multiprocessing
+
+    from sglang_eaas.deploy import shm
+
+    lock = multiprocessing.get_context("spawn").Lock()
+    name = "sem." + lock._semlock.name.lstrip("/")
+    assert name.startswith("sem.mp-")
+    assert name in shm.files_in_use(os.getpid())
+    assert (shm.SHM_DIR / name).stat().st_ino in shm.inodes_in_use()
+    del lock  # its finalizer unlinks it
+
+
+SGLANG_LIKE = """
+import multiprocessing, sys, time, uuid
+from sglang.srt.managers.load_snapshot import ShmLoadSnapshotWriter, shm_path_for
+path = shm_path_for(uuid.uuid4().hex[:12])  # as a scheduler names it (PortArgs.instance_id)
+writer = ShmLoadSnapshotWriter(path, 1, 0)
+lock = multiprocessing.get_context("spawn").Lock()
+print(path, "sem." + lock._semlock.name.lstrip("/"), flush=True)
+time.sleep(600)
+"""
+
+
+def test_what_sglang_leaves_in_dev_shm_is_found_and_removed_after_a_sigkill():
+    """SGLang's own load-snapshot writer and a spawn context's semaphore, in a process group
+    then SIGKILLed as SGLang ends its processes: both files are left in /dev/shm, found from the
+    process while it ran, and removed after it ended."""
+    from sglang_eaas.deploy import shm
+
+    process = subprocess.Popen([sys.executable, "-c", SGLANG_LIKE], stdout=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        loads, sem = process.stdout.readline().split()
+        loads = Path(loads).name
+        assert loads.startswith("sglang_loads_") and sem.startswith("sem.mp-")
+        files = shm.files_in_use(process.pid)
+        assert loads in files and sem in files, files
+        seen = {(process.pid, psutil.Process(process.pid).create_time())}
+    finally:  # its multiprocessing resource tracker too, as SGLang's kill_process_tree does
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert (shm.SHM_DIR / loads).exists() and (shm.SHM_DIR / sem).exists()
+    removed, left = shm.remove_left(files, seen)
+    assert sorted(removed) == sorted([loads, sem]) and left == []
+    assert not (shm.SHM_DIR / loads).exists() and not (shm.SHM_DIR / sem).exists()
 
 
 def test_pid_stamped_names_are_read_as_their_makers_write_them():
@@ -858,21 +911,23 @@ def _shm_files() -> dict[str, int]:
 
 
 def _shm_inodes_in_use() -> set[int]:
-    """Inodes of the /dev/shm files some live process has mapped or open (psutil's view of
-    /proc/PID/maps and /proc/PID/fd, independent of the deploy command's own reading)."""
+    """Inodes of the /dev/shm files some live process has mapped or open, read here from
+    /proc/PID/maps and /proc/PID/fd (by inode: a semaphore is mapped under the name of the
+    temporary file sem_open made it as, unlinked since)."""
     used = set()
-    for p in psutil.process_iter():
+    for pid in psutil.pids():
         try:
-            paths = [m.path for m in p.memory_maps(grouped=False)]
-            paths += [f.path for f in p.open_files()]
-        except psutil.Error:
+            with open(f"/proc/{pid}/maps") as maps:
+                used |= {int(line.split()[4]) for line in maps if " /dev/shm/" in line}
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except (OSError, ValueError):
             continue
-        for path in paths:
-            if path.startswith("/dev/shm/") and not path.endswith(" (deleted)"):
-                try:
-                    used.add(os.stat(path).st_ino)
-                except OSError:
-                    pass
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                    used.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+            except OSError:
+                pass
     return used
 
 

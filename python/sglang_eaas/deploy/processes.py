@@ -76,12 +76,14 @@ class Child:
             tree = [root, *root.children(recursive=True)]
         except psutil.Error:
             return
+        inodes: set[int] = set()
         for p in tree:
             try:
                 self.seen.add((p.pid, p.create_time()))
             except psutil.Error:
                 continue
-            self.shm_files.update(shm.files_in_use(p.pid))
+            inodes |= shm.inodes_used_by(p.pid)
+        self.shm_files.update(shm.names_of(inodes))
 
     def log_tail(self, lines: int = 8) -> str:
         try:

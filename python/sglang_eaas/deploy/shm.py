@@ -17,7 +17,7 @@ SGLang 0.5.23 leaves two kinds there when it is stopped, whatever the signal:
 
 Neither name can be derived from a pid, a port or a log line. What names them is the processes
 themselves: while alive, each has them mapped (``/proc/PID/maps``) or open (``/proc/PID/fd``).
-``files_in_use`` reads that for the processes of a part while they run (once it serves, and
+``inodes_used_by`` reads that for the processes of a part while they run (once it serves, and
 again just before it is stopped); ``remove_left`` removes, after every process of the
 deployment has ended, those of them still there under the same name and inode, mapped or open
 by no live process (tmpfs gives a new file the inode of a removed one, so the inode alone does
@@ -42,19 +42,19 @@ _PID_STAMPED = (re.compile(r"ibgda-(\d+)-"), re.compile(r"sgl_shm_.+_(\d+)_[0-9a
                 re.compile(r"multi_tokenizer_args_(\d+)$"))
 
 
-def files_in_use(pid: int, shm_dir: Path = SHM_DIR) -> dict[str, int]:
-    """The files directly in ``shm_dir`` that process ``pid`` has mapped or open now:
-    name -> inode (files it has unlinked already left out; {} if it is gone)."""
-    found: dict[str, int] = {}
+def inodes_used_by(pid: int, shm_dir: Path = SHM_DIR) -> set[int]:
+    """Inodes of the files in ``shm_dir`` that process ``pid`` has mapped or open now ({} if it
+    is gone). By inode, not name: glibc's ``sem_open`` maps a temporary file, links it under
+    the semaphore's name and unlinks the temporary one, so the mapping reads
+    ``/dev/shm/sem.XXXXXX (deleted)`` while ``sem.mp-...`` is the same file."""
+    used: set[int] = set()
     prefix = str(shm_dir).rstrip("/") + "/"
     try:
         with open(PROC / str(pid) / "maps", errors="replace") as maps:
             for line in maps:
-                fields = line.rstrip("\n").split(maxsplit=5)
+                fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].startswith(prefix):
-                    name = fields[5][len(prefix):]
-                    if "/" not in name and not name.endswith(" (deleted)"):
-                        found[name] = int(fields[4])
+                    used.add(int(fields[4]))
     except (OSError, ValueError):
         pass
     fds = PROC / str(pid) / "fd"
@@ -64,27 +64,38 @@ def files_in_use(pid: int, shm_dir: Path = SHM_DIR) -> dict[str, int]:
         entries = []
     for fd in entries:
         try:
-            target = os.readlink(fds / fd)
+            if os.readlink(fds / fd).startswith(prefix):
+                used.add(os.stat(fds / fd).st_ino)  # the open file, even if unlinked
         except OSError:
             continue
-        if target.startswith(prefix) and "/" not in target[len(prefix):] \
-                and not target.endswith(" (deleted)"):
-            try:
-                found[target[len(prefix):]] = os.stat(fds / fd).st_ino
-            except OSError:
-                pass
-    return found
+    return used
 
 
-def inodes_in_use(shm_dir: Path = SHM_DIR, exclude: Iterable[int] = ()) -> set[int]:
-    """Inodes of the files in ``shm_dir`` that any live process (but ``exclude``) has mapped or
-    open. A process whose ``/proc`` entries cannot be read (another user's) is not seen; it
-    cannot open this user's 0600 files anyway, unless it is root."""
-    skip = set(exclude)
+def names_of(inodes: set[int], shm_dir: Path = SHM_DIR) -> dict[str, int]:
+    """The files directly in ``shm_dir`` that have one of ``inodes``: name -> inode."""
+    if not inodes:
+        return {}
+    try:
+        with os.scandir(shm_dir) as entries:
+            return {e.name: e.inode() for e in entries if e.inode() in inodes
+                    and e.is_file(follow_symlinks=False)}
+    except OSError:
+        return {}
+
+
+def files_in_use(pid: int, shm_dir: Path = SHM_DIR) -> dict[str, int]:
+    """The files in ``shm_dir`` that process ``pid`` has mapped or open now: name -> inode."""
+    return names_of(inodes_used_by(pid, shm_dir), shm_dir)
+
+
+def inodes_in_use(shm_dir: Path = SHM_DIR) -> set[int]:
+    """Inodes of the files in ``shm_dir`` that any live process has mapped or open. A process
+    whose ``/proc`` entries cannot be read (another user's) is not seen; it cannot open this
+    user's 0600 files anyway, unless it is root."""
     used: set[int] = set()
     for entry in os.listdir(PROC):
-        if entry.isdigit() and int(entry) not in skip:
-            used.update(files_in_use(int(entry), shm_dir).values())
+        if entry.isdigit():
+            used |= inodes_used_by(int(entry), shm_dir)
     return used
 
 
