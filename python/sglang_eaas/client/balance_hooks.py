@@ -35,7 +35,7 @@ from sglang_eaas.balance.live import plan, tier_holdings
 from sglang_eaas.balance.operation import rebalance
 from sglang_eaas.balance.policy import BalancePolicy, BalanceSettings
 from sglang_eaas.balance.server_load import Counters, expert_load, read_counters, since
-from sglang_eaas.client.metrics import metrics_enabled
+from sglang_eaas.client.metrics import OptionalMetrics
 from sglang_eaas.controller.controller import Busy, TierController, requester_name
 from sglang_eaas.membership import connect
 from sglang_eaas.model_info import MoeModelInfo
@@ -149,12 +149,8 @@ def _fullest(current) -> int:
     return max((len(ids) for layers in current.values() for ids in layers.values()), default=1)
 
 
-class _Metrics:
+class _Metrics(OptionalMetrics):
     """The balancer's series in SGLang's ``/metrics`` (``--enable-metrics``)."""
-
-    @classmethod
-    def create(cls) -> "_Metrics | None":
-        return cls() if metrics_enabled() else None
 
     def __init__(self):
         from prometheus_client import Counter, Gauge
