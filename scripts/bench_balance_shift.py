@@ -170,8 +170,8 @@ def one(args, info, experts: list[str], slots: int, policy: str, run: int) -> Re
         seen: list[dict[str, float]] = []
         stop = threading.Event()
 
-        def poll(_run) -> None:
-            while not stop.wait(args.poll):
+        def poll(_run) -> None:  # closed_loop joins it after the duration
+            while not stop.wait(args.poll) and time.perf_counter() - began[0] < duration:
                 readings.append((time.perf_counter(), M.read_counters(addresses, token,
                                                                       layers, E)))
                 if policy in ("reactive", "predictive"):
