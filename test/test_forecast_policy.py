@@ -126,7 +126,8 @@ def run(policy, trace, holdings, rng, entries=4000, horizon=1):
     acts, recent = [], []
     for t, shares in enumerate(trace):
         recent = (recent + [sample(rng, shares, entries // horizon)])[-horizon:]
-        _, chosen = policy.look(float(t), sum(recent), holdings, SLOTS)
+        look, chosen = policy.look(float(t), sum(recent), holdings, SLOTS)
+        assert look is policy.looks[-1] and look.act == (chosen is not None)
         if chosen is not None:
             holdings = chosen.target
             policy.acted(float(t))

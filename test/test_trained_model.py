@@ -65,13 +65,22 @@ def _tokens(server, prompts=PROMPTS) -> list[list[int]]:
     return [server.generate(p, NEW_TOKENS)["output_ids"] for p in prompts]
 
 
-def _concurrently(server, prompts, times: int) -> list[list[list[int]]]:
-    """``prompts`` ``times`` over, each pass's prompts at once (4 streams): the tokens."""
+def _streams(server, prompts, seconds: float, until=lambda: False) -> list[tuple[str, list]]:
+    """One worker per prompt sending it again and again for ``seconds`` (or until ``until()``
+    after the first round): every (prompt, tokens) it got; a failed request raises."""
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
+    deadline = time.monotonic() + seconds
+
+    def worker(prompt: str) -> list[tuple[str, list]]:
+        out = []
+        while not out or (time.monotonic() < deadline and not until()):
+            out.append((prompt, server.generate(prompt, NEW_TOKENS)["output_ids"]))
+        return out
+
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return [list(pool.map(lambda p: server.generate(p, NEW_TOKENS)["output_ids"], prompts))
-                for _ in range(times)]
+        return [pair for pairs in pool.map(worker, prompts) for pair in pairs]
 
 
 def _metric(server, name: str) -> dict[str, float]:
@@ -95,17 +104,19 @@ def test_eaas_is_token_identical_and_records_the_skew(monolithic, eaas):
 
 
 def test_the_balancer_re_places_while_the_mix_shifts_and_changes_no_token(monolithic, eaas):
-    """Stdlib code, then prose (a mix the checkpoint never saw), 4 requests at a time: the
+    """Stdlib code, then prose (a mix the checkpoint never saw), 4 streams without pause: the
     predictive balancer re-places experts (its operations in the log), no request fails and
     every token is the monolithic one; /metrics shows the forecast's accuracy and cost."""
     code, prose = list(PROMPTS[:4]), list(PROSE)
-    expected_code, expected_prose = _tokens(monolithic, code), _tokens(monolithic, prose)
-    assert _concurrently(eaas, code, 3) == [expected_code] * 3
-    assert _concurrently(eaas, prose, 4) == [expected_prose] * 4
-    log = eaas.log_path.read_text()
-    done = re.findall(r"eaas balance: (\d+) replicas added .* \(operation (\S+)\)", log)
+    expected = dict(zip(code + prose, _tokens(monolithic, code + prose)))
+    before = len(eaas.log_path.read_text())
+    got = _streams(eaas, code, seconds=10) + _streams(eaas, prose, seconds=40, until=lambda: (
+        re.search(r"eaas balance: \d+ replicas added .* \(operation \S+\)",
+                  eaas.log_path.read_text()[before:])))
+    assert got and all(tokens == expected[prompt] for prompt, tokens in got)
+    log = eaas.log_path.read_text()[before:]
     assert re.search(r"eaas balance \(predictive\): re-placing: ", log), log[-3000:]
-    assert done, log[-3000:]  # at least one re-placement ran to its end
+    assert re.search(r"eaas balance: \d+ replicas added .* \(operation \S+\)", log), log[-3000:]
     overlap = _metric(eaas, "sglang_eaas_balance_estimate_overlap")
     assert 0 < overlap["estimate=predictive"] <= 1 and 0 < overlap["estimate=reactive"] <= 1
     cost = _metric(eaas, "sglang_eaas_balance_forecast_cost_share")[""]

@@ -120,8 +120,9 @@ class BalancePolicy:
                                      "moving"))
         chosen = within_budget(made, s.budget)
         adds = sum(len(m.adds) for m in chosen.moves)
-        return self._record(Look(now, worst, max(chosen.after), True,
-                                 f"{worst:.2f}x -> {max(chosen.after):.2f}x", adds)), chosen
+        look, _ = self._record(Look(now, worst, max(chosen.after), True,
+                                    f"{worst:.2f}x -> {max(chosen.after):.2f}x", adds))
+        return look, chosen
 
     def acted(self, now: float) -> None:
         """The caller applied (or tried to apply) the plan: the cooldown starts."""

@@ -63,6 +63,7 @@ class TierBalancer:
         self._reads: collections.deque[tuple[float, dict[str, Counters]]] = collections.deque()
         self._guesses: dict[str, np.ndarray] = {}  # the last look's estimates, judged next look
         self._said = ""
+        self._last_why = ""
         threading.Thread(target=self._run, name="eaas-balance", daemon=True).start()
 
     def _run(self) -> None:
@@ -73,9 +74,10 @@ class TierBalancer:
                 monitor = monitor or connect(self.monitor_url, self.token)
                 self.look(monitor)
                 self._said = ""
-            except FAILURES as exc:  # the next look tries again, on a new connection
+            except Exception as exc:  # noqa: BLE001 - the next look tries again, anew
                 if str(exc) != self._said:
-                    logger.warning("eaas balance: this look failed: %s", exc)
+                    logger.warning("eaas balance: this look failed: %s", exc,
+                                   exc_info=not isinstance(exc, FAILURES))
                     self._said = str(exc)
                 if monitor is not None:
                     monitor.close()
@@ -104,6 +106,10 @@ class TierBalancer:
         look, chosen = self.policy.look(now, estimate, current, slots)
         if self.metrics is not None:
             self.metrics.looked(look, book)
+        why = look.why.split(" (")[0]
+        if why != self._last_why:  # each change of verdict, once
+            logger.info("eaas balance (%s): %s", self.settings.mode, look.why)
+            self._last_why = why
         if chosen is None:
             return
         logger.info("eaas balance (%s): re-placing: %s, %d replicas to add", self.settings.mode,
