@@ -28,6 +28,9 @@ import numpy as np
 
 
 
+MISSED = 2  # complete steps in a row a running request may be missing from before it leaves
+
+
 @dataclass(frozen=True)
 class StepRequest:
     """One request's share of a step: ``rows`` consecutive token rows (after the previous
@@ -63,6 +66,7 @@ class RoutingBook:
         self._counts = np.zeros((0, len(self.layers), num_experts), dtype=np.float32)
         self._remaining = np.zeros(0, dtype=np.int64)
         self._seen = np.zeros(0, dtype=np.int64)  # the last step each slot's request was in
+        self._missed = np.zeros(0, dtype=np.int64)  # complete steps in a row it was not in
         self._decoded = np.zeros((len(self.layers), num_experts), dtype=np.int64)
         self._decode_steps = 0
         self.steps = 0
@@ -81,8 +85,10 @@ class RoutingBook:
     def end_step(self, requests: Sequence[StepRequest], complete: bool = False) -> None:
         """The step is over: its rows to their requests (``requests`` in row order).
         ``complete``: the step held every running request (SGLang's decode batch is its whole
-        running batch), so a request not in it has ended (stopped at EOS, aborted) and leaves
-        the book; otherwise requests leave when they end in a step, or after ``forget_after``
+        running batch), so a request missing from ``MISSED`` such steps in a row has ended
+        (stopped at EOS, aborted) and leaves the book; one missing from one may just have
+        prefilled (with the overlap scheduler a new request joins the running batch a step
+        late). Otherwise requests leave when they end in a step, or after ``forget_after``
         steps unseen."""
         began = time.perf_counter()
         try:
@@ -127,8 +133,13 @@ class RoutingBook:
                 if r.finished or r.remaining <= 0:
                     self._release(r.key)
             if complete:
-                for key in [k for k in self._slot if k not in keys]:
-                    self._release(key)
+                for key, slot in list(self._slot.items()):
+                    if key in keys:
+                        self._missed[slot] = 0
+                        continue
+                    self._missed[slot] += 1
+                    if self._missed[slot] >= MISSED:
+                        self._release(key)
             for key in [k for k, slot in self._slot.items()
                         if self.steps - self._seen[slot] > self.forget_after]:
                 self._release(key)
@@ -144,9 +155,11 @@ class RoutingBook:
                 (grow, *self._counts.shape[1:]), dtype=self._counts.dtype)])
             self._remaining = np.concatenate([self._remaining, np.zeros(grow, np.int64)])
             self._seen = np.concatenate([self._seen, np.zeros(grow, np.int64)])
+            self._missed = np.concatenate([self._missed, np.zeros(grow, np.int64)])
             self._free = list(range(old + grow - 1, old - 1, -1))
         slot = self._slot[key] = self._free.pop()
         self._counts[slot] = 0
+        self._missed[slot] = 0
         return slot
 
     def _release(self, key: str) -> None:
