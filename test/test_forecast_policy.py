@@ -26,6 +26,7 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
     rng = np.random.default_rng(0)
     book = RoutingBook(LAYERS, E, K)
     expected: dict[str, np.ndarray] = {}  # per request, [L, E] counted one entry at a time
+    prompt: dict[str, np.ndarray] = {}  # the same, prefill rows only
     decoded = np.zeros((len(LAYERS), E), dtype=np.int64)
     steps = [
         # a prefill of a (5 rows) and b (3), in two micro-batches split mid-b
@@ -52,6 +53,9 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
                             expected[r.key][i, e] += 1
                             if r.decode:
                                 decoded[i, e] += 1
+                            else:
+                                prompt.setdefault(r.key, np.zeros((len(LAYERS), E), np.int64))
+                                prompt[r.key][i, e] += 1
                 row += r.rows
         book.end_step(requests)
     assert book.profile("b") is None  # finished
@@ -60,10 +64,12 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
     got, decode_steps = book.take_decoded()
     assert (got == decoded).all() and decode_steps == 2
     assert book.take_decoded()[0].sum() == 0  # reset
-    # the forecast of the next 6 steps: a has 8 tokens left, c 5
-    want = sum(min(6, left) * K * expected[key] / expected[key].sum(axis=1, keepdims=True)
-               for key, left in (("a", 8), ("c", 5)))
-    assert np.allclose(book.forecast(6), want)
+    # the forecast of the next 6 steps: a has 8 tokens left, c 5, so 6 * 2 * K - (6 + 5) * K
+    # entries per layer come from requests yet to arrive, spread as a's, b's and c's prompts
+    known = sum(min(6, left) * K * expected[key] / expected[key].sum(axis=1, keepdims=True)
+                for key, left in (("a", 8), ("c", 5)))
+    arrivals = np.mean([prompt[k] / prompt[k].sum(axis=1, keepdims=True) for k in "abc"], axis=0)
+    assert np.allclose(book.forecast(6), known + (6 * 2 * K - 11 * K) * arrivals)
     assert book.unattributed == 0
 
 

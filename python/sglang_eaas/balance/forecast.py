@@ -29,6 +29,7 @@ import numpy as np
 
 
 MISSED = 2  # complete steps in a row a running request may be missing from before it leaves
+ARRIVALS = 32  # the latest requests whose prompt routing stands for the ones still to come
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class RoutingBook:
         self._remaining = np.zeros(0, dtype=np.int64)
         self._seen = np.zeros(0, dtype=np.int64)  # the last step each slot's request was in
         self._missed = np.zeros(0, dtype=np.int64)  # complete steps in a row it was not in
+        self._started = np.zeros(0, dtype=bool)  # whether it decoded (its prompt is counted)
+        # the latest requests' prompt routing, each [L, E] normalised per layer
+        self._arrivals: collections.deque[np.ndarray] = collections.deque(maxlen=ARRIVALS)
         self._decoded = np.zeros((len(self.layers), num_experts), dtype=np.int64)
         self._decode_steps = 0
         self.steps = 0
@@ -122,6 +126,13 @@ class RoutingBook:
         decode = np.array([r.decode for r in requests], dtype=bool)
         with self._lock:
             slots = np.array([self._slot_of(r.key) for r in requests])
+            for slot in slots[decode & ~self._started[slots]]:  # a first decode step: its
+                self._started[slot] = True  # prompt's routing is what arrivals look like
+                prompt = self._counts[slot].astype(np.float64)
+                total = prompt.sum(axis=1, keepdims=True)
+                if total.any():
+                    self._arrivals.append(np.divide(prompt, total, out=np.zeros_like(prompt),
+                                                    where=total > 0))
             self._counts[slots] += counts.transpose(1, 0, 2)
             self._remaining[slots] = [r.remaining for r in requests]
             self._seen[slots] = self.steps
@@ -156,10 +167,12 @@ class RoutingBook:
             self._remaining = np.concatenate([self._remaining, np.zeros(grow, np.int64)])
             self._seen = np.concatenate([self._seen, np.zeros(grow, np.int64)])
             self._missed = np.concatenate([self._missed, np.zeros(grow, np.int64)])
+            self._started = np.concatenate([self._started, np.zeros(grow, bool)])
             self._free = list(range(old + grow - 1, old - 1, -1))
         slot = self._slot[key] = self._free.pop()
         self._counts[slot] = 0
         self._missed[slot] = 0
+        self._started[slot] = False
         return slot
 
     def _release(self, key: str) -> None:
@@ -179,18 +192,26 @@ class RoutingBook:
             return None if slot is None else self._counts[slot].astype(np.int64)
 
     def forecast(self, steps: int) -> np.ndarray:
-        """``[L, E]`` float64: the decode entries the running requests make over the next
-        ``steps`` steps, each ``min(steps, remaining) * top_k`` per layer spread as its profile
-        spreads them (a request with no entries yet in a layer adds none there)."""
+        """``[L, E]`` float64: the decode entries of the next ``steps`` steps. Each running
+        request makes ``min(steps, remaining) * top_k`` per layer, spread as its profile spreads
+        them (a request with no entries yet in a layer adds none there). The tier keeps about as
+        many requests running, so the steps' other entries (``steps * running * top_k`` less
+        those) are the requests that will replace the ones that end: spread as the latest
+        ``ARRIVALS`` requests' prompts spread theirs (their prefill, seen a request's lifetime
+        before their decode shows in any counter)."""
         began = time.perf_counter()
         with self._lock:
             live = np.fromiter(self._slot.values(), dtype=np.int64)
             counts = self._counts[live].astype(np.float64)  # a copy: the step goes on
             remaining = self._remaining[live]
+            arrivals = list(self._arrivals)
         total = counts.sum(axis=2, keepdims=True)
         share = np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
         weight = np.minimum(steps, remaining).astype(np.float64) * self.top_k
         out = np.einsum("r,rle->le", weight, share)
+        if arrivals:
+            rest = np.maximum(0.0, steps * len(live) * self.top_k - out.sum(axis=1))
+            out += rest[:, None] * np.mean(arrivals, axis=0)
         self.cost += time.perf_counter() - began
         return out
 

@@ -94,7 +94,7 @@ class TierBalancer:
             self._reads.popleft()  # keep one read at least a horizon old
         parts = lenient_table(current, list(self.layers), num_experts)
         recent = self._since(self._reads[0][1], read, parts, num_experts)
-        forecast = None
+        forecast, steps = None, 0
         if book is not None:
             step = book.step_seconds()
             steps = max(1, round(self.settings.horizon / step)) if step else 1
@@ -108,7 +108,10 @@ class TierBalancer:
             self.metrics.looked(look, book)
         why = look.why.split(" (")[0]
         if why != self._last_why:  # each change of verdict, once
-            logger.info("eaas balance (%s): %s", self.settings.mode, look.why)
+            forecast_of = ("" if book is None else f" [forecast of {book.running} running "
+                           f"requests over {steps} steps; steps left out: {book.unattributed} "
+                           f"of {book.steps}]")
+            logger.info("eaas balance (%s): %s%s", self.settings.mode, look.why, forecast_of)
             self._last_why = why
         if chosen is None:
             return
