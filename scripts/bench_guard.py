@@ -123,7 +123,8 @@ def measure(tree_env: dict, model: Path, extra: tuple[str, ...], name: str,
         for c in args.concurrency:
             out[c] = serving_client.run(
                 server.url, model, serving_client.random_ids(args.input_len, args.output_len),
-                args.prompts_per_slot * c, c, args.log_dir / f"bench-guard-{name}-c{c}.log")
+                args.prompts_per_slot * c, c, args.log_dir / f"bench-guard-{name}-c{c}.log",
+                args.output_len)
             say(f"  c={c}: {out[c]['output_throughput']:.1f} output tok/s, TPOT "
                 f"{out[c]['mean_tpot_ms']:.1f} ms")
     return out

@@ -43,7 +43,8 @@ from sglang_eaas.model_info import ModelError, MoeModelInfo
 
 from bench_lib.live_balance_prompts import DESCRIBED, MIXES, halves
 from bench_lib.live_balance_run import run_mix
-from bench_lib.live_balance_report import GOAL, goal, layer_table, setup, summary_table
+from bench_lib.live_balance_report import (GOAL, goal, layer_table, runs_table, setup,
+                                           summary_table)
 from bench_lib.report import Report, default_out, say
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,8 +56,9 @@ FAILURES = (RuntimeError, TimeoutError, OSError, ValueError, subprocess.TimeoutE
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="The default run takes about 4 minutes per mix on 2 CPU cores (a tier start, "
-        "two workloads, a rebalance); --quick about 2. Mixes: " + "; ".join(
+        epilog="The default run takes about 2 minutes per mix and run on 2 CPU cores (a tier "
+        "start, three workloads, a rebalance): about 25 minutes for 4 mixes x 3 runs; --quick "
+        "about half. Mixes: " + "; ".join(
             f"{name}: {text}" for name, text in DESCRIBED.items()))
     p.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-moe-stdlib",
                    help="the checkpoint; default models/tiny-moe-stdlib (the trained one)")
@@ -79,6 +81,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--poll", type=float, default=2.0,
                    help="seconds between reads of the servers' counters during a workload "
                    "(the short-interval ratio); default 2")
+    p.add_argument("--runs", type=int, default=3,
+                   help="runs of every mix, each on a fresh tier; the report gives each "
+                   "headline cell's median and min-max over them; default 3")
     p.add_argument("--attempts", type=int, default=2,
                    help="tries per mix: one that fails while measuring (e.g. an expert server "
                    "the monitor lost on an overloaded machine: requests get HTTP 503) runs "
@@ -99,8 +104,9 @@ def parse_args() -> argparse.Namespace:
     if unknown or not args.mixes:
         p.error(f"--mixes: unknown {', '.join(unknown) or '(none given)'}; known: "
                 f"{', '.join(MIXES)}")
-    if min(args.requests, args.concurrency, args.max_new_tokens, args.attempts) < 1:
-        p.error("--requests, --concurrency, --max-new-tokens and --attempts must be >= 1")
+    if min(args.requests, args.concurrency, args.max_new_tokens, args.attempts, args.runs) < 1:
+        p.error("--requests, --concurrency, --max-new-tokens, --runs and --attempts must be "
+                ">= 1")
     if args.extra_replicas < 0:
         p.error(f"--extra-replicas must be >= 0, got {args.extra_replicas}")
     if args.servers < 2:
@@ -165,28 +171,34 @@ def main() -> int:
         return 2
     experts, slots = contiguous(info.num_experts, args.servers, args.extra_replicas)
     report = Report(args.out)
-    results, retried = [], []
-    for mix in args.mixes:
-        for attempt in range(1, args.attempts + 1):
-            try:
-                results.append(one_mix(mix, args, info, experts, slots))
-                break
-            except DeployError as exc:
-                print(f"bench_live_balance: error: {mix}: the tier did not deploy: {exc}",
-                      file=sys.stderr)
-                return 1
-            except FAILURES as exc:
-                print(f"bench_live_balance: error while measuring {mix} (try {attempt} of "
-                      f"{args.attempts}): {exc}", file=sys.stderr)
-                if attempt == args.attempts:
+    runs, retried = [], []  # runs[i]: run i's MixResult per mix
+    for run in range(1, args.runs + 1):
+        results = []
+        for mix in args.mixes:
+            say(f"run {run}/{args.runs}, mix {mix}")
+            for attempt in range(1, args.attempts + 1):
+                try:
+                    results.append(one_mix(mix, args, info, experts, slots))
+                    break
+                except DeployError as exc:
+                    print(f"bench_live_balance: error: {mix}: the tier did not deploy: {exc}",
+                          file=sys.stderr)
                     return 1
-                retried.append(f"`{mix}` ran again on a fresh tier after: {exc}")
-    report.add(setup(args, info, experts, results))
-    report.add(summary_table(results))
-    report.add(layer_table(results, info.moe_layers))
-    report.add(goal(results, GOAL))
-    if retried:
-        report.add("Retried: " + "; ".join(retried))
+                except FAILURES as exc:
+                    print(f"bench_live_balance: error while measuring {mix} in run {run} (try "
+                          f"{attempt} of {args.attempts}): {exc}", file=sys.stderr)
+                    if attempt == args.attempts:
+                        return 1
+                    retried.append(f"`{mix}` in run {run} ran again on a fresh tier after: "
+                                   f"{exc}")
+        runs.append(results)
+    every = [r for results in runs for r in results]
+    report.add(setup(args, info, experts, runs[-1]))
+    report.add(runs_table(runs))
+    report.add(f"Run {len(runs)} of {len(runs)} in detail:")
+    report.add(summary_table(runs[-1]))
+    report.add(layer_table(runs[-1], info.moe_layers))
+    report.add(goal(every, GOAL, len(runs)))
     report.save()
     return 0
 

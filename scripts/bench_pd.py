@@ -127,7 +127,8 @@ def bench_serving(url: str, model: Path, dataset: str, args: argparse.Namespace,
     deployment's CPU milliseconds per output token (``cpu_ms_per_token``), also by part."""
     cpu0 = {name: tree_cpu_seconds(pid) for name, pid in parts.items()}
     record = serving_client.run(url, model, dataset_args(dataset, args, sharegpt_file),
-                                args.prompts_per_slot * args.concurrency, args.concurrency, log)
+                                args.prompts_per_slot * args.concurrency, args.concurrency, log,
+                                args.output_len)
     by_role: dict[str, float] = {}
     for name, pid in parts.items():
         by_role[role(name)] = by_role.get(role(name), 0.0) + tree_cpu_seconds(pid) - cpu0[name]

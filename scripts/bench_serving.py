@@ -61,7 +61,7 @@ def bench_serving(server: SGLangServer, model: Path, concurrency: int, args: arg
     """One ``python -m sglang.bench_serving`` run; its result record (the JSON it writes)."""
     return serving_client.run(
         server.url, model, serving_client.random_ids(args.input_len, args.output_len),
-        args.prompts_per_slot * concurrency, concurrency, log)
+        args.prompts_per_slot * concurrency, concurrency, log, args.output_len)
 
 
 def table(results: dict[str, dict[int, dict]]) -> str:

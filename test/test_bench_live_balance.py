@@ -87,3 +87,28 @@ def test_the_pass_is_measured_on_prompts_it_did_not_plan_on():
         plan, measured = halves(mix, 12)
         assert len(plan) == len(measured) == 12
         assert not set(plan) & set(measured), mix
+
+
+def test_the_runs_table_gives_each_mix_the_median_and_range_of_its_runs():
+    from types import SimpleNamespace
+
+    from bench_lib.live_balance_report import goal, runs_table
+
+    def result(mix, before, after, differing=0):
+        def phase(ratios):
+            same = np.array(ratios)
+            return SimpleNamespace(window=same, intervals=same, exchange=same)
+
+        return SimpleNamespace(mix=mix, before=phase(before), after=phase(after),
+                               differing=differing, best=np.ones(2), bound=np.ones(2))
+
+    runs = [[result("prose", [1.2, 1.4], [1.0, 1.1])],
+            [result("prose", [1.1, 1.3], [1.0, 1.3])],
+            [result("prose", [1.5, 1.5], [1.05, 1.05], differing=1)]]
+    row = runs_table(runs).splitlines()[-1].split(" | ")
+    # before: means 1.3, 1.2, 1.5; after: 1.05, 1.15, 1.05; after's worst layer: 1.1, 1.3, 1.05
+    assert row[1:4] == ["1.30 [1.20-1.50]", "1.05 [1.05-1.15]", "1.10 [1.05-1.30]"]
+    assert row[-1] == "NO |"
+    verdict = goal([r for results in runs for r in results], 1.1, 3)
+    assert "in every one of 3 runs" in verdict and "prose 1.15x" in verdict  # the worst run's
+    assert "NOT met** (worst: prose MoE layer 1 at 1.30x" in verdict

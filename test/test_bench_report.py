@@ -69,3 +69,17 @@ def test_every_report_block_in_the_docs_carries_its_header():
     for path, body in blocks:
         assert re.search(r"- command: `.*scripts/bench_\w+\.py", body), path
         assert re.search(r"- commit: `[0-9a-f]{7,}(-dirty)?`; date: \d{4}-", body), path
+
+
+def test_a_request_bench_serving_counts_as_successful_but_cut_short_is_found():
+    from bench_lib.serving_client import short_outputs
+
+    good = {"output_lens": [4, 4], "generated_texts": ["a b", "c d"], "errors": ["", ""]}
+    assert short_outputs(good, 4) == ""
+    cut = {**good, "output_lens": [4, 3]}
+    assert short_outputs(cut, 4).startswith("1 of 2 requests did not stream 4 tokens with text "
+                                            "(request 1: 3 tokens")
+    # aborted before any text: bench_serving reports the requested count and no text
+    empty = {**good, "generated_texts": ["a b", ""]}
+    assert "request 1: 4 tokens, 0 characters" in short_outputs(empty, 4)
+    assert "no per-request output lengths" in short_outputs({}, 4)

@@ -11,7 +11,8 @@ KV over SGLang's Mooncake backend on TCP), both ``--eaas`` clients of the pool, 
 in front. On the trained checkpoint (top-4, float32) greedy tokens through router -> prefill ->
 decode equal monolithic SGLang's without PD; an expert server SIGKILLed while eight streams
 decode loses no request and changes no token, and the deployment starts it again; after SIGTERM
-it exits 0 with none of the processes it started left, nor their shared-memory files.
+it exits 0 with none of the processes it started left, and no file in /dev/shm that was not there
+before it started (but files live processes use).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -279,6 +281,239 @@ def test_log_files_name_each_part(tmp_path):
     assert len(set(listening)) == len(listening)
 
 
+# -- SGLang's own parser, duplicate keys ---------------------------------------------------
+def test_sglang_choices_are_checked_by_sglangs_own_parser():
+    """The transfer backend and the instances' flags are refused as SGLang's parser would
+    refuse them, before anything starts: its choices, not a copied list."""
+    from sglang_eaas.deploy.config import sglang_choices, sglang_parser
+
+    backends = sglang_choices("--disaggregation-transfer-backend")
+    action = next(a for a in sglang_parser()._actions
+                  if "--disaggregation-transfer-backend" in a.option_strings)
+    assert backends == list(action.choices) and "mooncake_tcp" in backends
+    with pytest.raises(DeployConfigError) as refused:
+        parse_config(config(sglang={"args": SGLANG_ARGS, "prefill": {}, "decode": {},
+                                    "transfer_backend": "nixl_x"}))
+    assert str(refused.value) == (f"sglang.transfer_backend: 'nixl_x' is not one of SGLang's "
+                                  f"transfer backends ({', '.join(backends)})")
+    for backend in backends:  # each of SGLang's is taken
+        cfg = parse_config(config(sglang={"prefill": {}, "decode": {},
+                                          "transfer_backend": backend}))
+        assert cfg.sglang.transfer_backend == backend
+    with pytest.raises(DeployConfigError, match=r"^sglang.decode.args: SGLang's parser refuses "
+                       r"it: --attention-backend: invalid choice: 'nonsense' \(choose from "):
+        parse_config(config(sglang={"prefill": {}, "decode": {
+            "args": ["--attention-backend", "nonsense"]}}))
+    with pytest.raises(DeployConfigError, match=r"^sglang.args: SGLang's parser refuses it: "
+                       r"--max-running-requests: invalid int value: 'many'$"):
+        parse_config(config(sglang={"args": ["--max-running-requests", "many"], "plain": {}}))
+    # a flag SGLang does not know is left to its launch, which names it (test_a_part_...)
+    parse_config(config(sglang={"args": ["--no-such-flag"], "plain": {}}))
+
+
+DUPLICATED = [
+    ("model: M\nrouter:\n  port: 0\nrouter: {port: 1}\n",
+     "router: given twice in {path}, at lines 2 and 4; give each key once"),
+    ("model: M\nsglang:\n  prefill:\n    count: 1\n    count: 2\n  decode: {}\n",
+     "sglang.prefill.count: given twice in {path}, at lines 4 and 5; give each key once"),
+    ("model: M\nexpert_servers:\n  experts: [{a: 1, a: 2}]\n",
+     "expert_servers.experts[0].a: given twice in {path}, at lines 3 and 3; give each key once"),
+]
+
+
+@pytest.mark.parametrize("text,sentence", DUPLICATED, ids=["top", "nested", "in a list"])
+def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path, text, sentence):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text.replace("M", str(MODEL)))
+    with pytest.raises(DeployConfigError) as refused:
+        load_config(path)
+    assert str(refused.value) == sentence.format(path=path)
+
+
+# -- ports the config fixes: checked free before anything starts ------------------------------
+def _listening() -> socket.socket:
+    """A socket listening on a free loopback port: a port some other program serves."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s
+
+
+def test_a_fixed_port_in_use_is_refused_naming_its_field(tmp_path):
+    from sglang_eaas.deploy.ports import busy_port
+
+    with _listening() as taken:
+        port = taken.getsockname()[1]
+        placement = tmp_path / "placement.yaml"
+        placement.write_text(yaml.safe_dump({"servers": {
+            f"127.0.0.1:{port}": list(range(32)), "127.0.0.1:1": list(range(32))}}))
+        cases = [
+            (config(router={"port": port}), f"router.port: port {port} is already in use"),
+            (config(router={"args": ["--prometheus-port", str(port)]}),
+             f"router.args (--prometheus-port): port {port} is already in use"),
+            (config(sglang={"args": [f"--nccl-port={port}"], "plain": {}}),
+             f"sglang.args (--nccl-port): port {port} is already in use"),
+            (config(expert_servers={"placement": str(placement)}),
+             f"expert_servers.placement (127.0.0.1:{port}): port {port} is already in use"),
+        ]
+        for data, sentence in cases:
+            assert busy_port(parse_config(data)) == sentence
+    free = port  # closed now
+    assert busy_port(parse_config(config(router={"port": free}))) is None
+    assert busy_port(parse_config(config(router={"port": free, "args": [
+        "--prometheus-port", str(free)]}))) == (
+        f"router.args (--prometheus-port): port {free} is also given by router.port; two parts "
+        "cannot listen on one port")
+
+
+def test_a_router_port_in_use_stops_the_command_before_anything_starts(tmp_path):
+    """The user's case: router.port taken. One sentence before any part starts (not the
+    router's traceback after the whole deployment started), exit status 1, no log folder."""
+    from sglang_eaas.deploy import DeployError, Deployment
+
+    with _listening() as taken:
+        port = taken.getsockname()[1]
+        cfg = parse_config(config(router={"port": port}))
+        deployment = Deployment(cfg, tmp_path / "api-logs")
+        with pytest.raises(DeployError, match=f"^router.port: port {port} is already in use$"):
+            deployment.start()
+        assert deployment.children() == [] and not (tmp_path / "api-logs").exists()
+        path = tmp_path / "taken.yaml"
+        path.write_text(yaml.safe_dump(config(router={"port": port})))
+        result = deploy(str(path), "--log-dir", str(tmp_path / "logs"), timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr == f"error: router.port: port {port} is already in use\n"
+    assert result.stdout == "deploy: did not start\n"
+    assert not (tmp_path / "logs").exists()
+
+
+# -- shared-memory files the parts leave ----------------------------------------------------
+HOLDER = """
+import mmap, os, sys, time
+folder = sys.argv[1]
+# as glibc's sem_open makes sem.mp-*: a temporary file mapped, linked under the name, unlinked
+with open(os.path.join(folder, "sem.Xy12Zw"), "w+b") as f:
+    f.truncate(4096)
+    mapped = mmap.mmap(f.fileno(), 4096)
+os.link(os.path.join(folder, "sem.Xy12Zw"), os.path.join(folder, "sem.mp-abcd1234"))
+os.unlink(os.path.join(folder, "sem.Xy12Zw"))
+loads = os.open(os.path.join(folder, "sglang_loads_x_0123abcd.shm"), os.O_CREAT | os.O_RDWR)
+gone = os.path.join(folder, "unlinked")
+with open(gone, "w+b") as f:
+    f.truncate(4096)
+    kept = mmap.mmap(f.fileno(), 4096)
+os.unlink(gone)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_shm_files_a_part_had_in_use_are_removed_after_it_ends(tmp_path):
+    """A folder standing in for /dev/shm: the files a process had mapped or open (found from
+    /proc while it ran) are removed once it has ended, as are pid-stamped files of its pid;
+    a file another live process uses, a file replaced since, a file of another pid and any
+    other file are left."""
+    from sglang_eaas.deploy import shm
+
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    folder = folder.resolve()  # as /proc names it
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "ready\n"
+    used = shm.files_in_use(holder.pid, folder)
+    assert sorted(used) == ["sem.mp-abcd1234", "sglang_loads_x_0123abcd.shm"]
+    assert used["sem.mp-abcd1234"] == (folder / "sem.mp-abcd1234").stat().st_ino
+    processes = {(holder.pid, psutil.Process(holder.pid).create_time()),
+                 (os.getpid(), psutil.Process().create_time())}
+    stamped = folder / f"ibgda-{holder.pid}-00ff"
+    stamped.write_bytes(b"x")
+    alive_stamped = folder / f"ibgda-{os.getpid()}-00ff"  # its creator lives
+    alive_stamped.write_bytes(b"x")
+    other_stamped = folder / "ibgda-999999999-00ff"  # not a pid of the deployment
+    other_stamped.write_bytes(b"x")
+    (folder / "unrelated").write_bytes(b"x")
+    still_used = folder / "sem.mp-inuse000"  # the deployment had it; another process still has
+    still_used.write_bytes(b"x")
+    replaced = folder / "sem.mp-replaced"
+    replaced.write_bytes(b"x")
+    files = {**used, still_used.name: still_used.stat().st_ino,
+             replaced.name: replaced.stat().st_ino}
+    replaced.rename(folder / "renamed")  # the file lives on under another name ...
+    replaced.write_bytes(b"another file, same name")  # ... so this one has another inode
+    holder.kill()
+    holder.wait()
+    with open(still_used, "rb"):
+        removed, left = shm.remove_left(files, processes, folder)
+    assert sorted(removed) == [stamped.name, "sem.mp-abcd1234", "sglang_loads_x_0123abcd.shm"]
+    assert left == [f"{still_used} is still in use by another process; left there"]
+    assert sorted(os.listdir(folder)) == sorted([
+        alive_stamped.name, other_stamped.name, "unrelated", still_used.name, replaced.name,
+        "renamed"])
+    assert shm.remove_left(files, processes, folder) == ([still_used.name], [])
+
+
+def test_a_spawn_contexts_semaphore_is_found_under_its_name():
+    """What SGLang leaves: a multiprocessing semaphore of a spawn context, in the real
+    /dev/shm, is found under its sem.mp-* name though the process maps it as another."""
+    import multiprocessing
+
+    from sglang_eaas.deploy import shm
+
+    lock = multiprocessing.get_context("spawn").Lock()
+    name = "sem." + lock._semlock.name.lstrip("/")
+    assert name.startswith("sem.mp-")
+    assert name in shm.files_in_use(os.getpid())
+    assert (shm.SHM_DIR / name).stat().st_ino in shm.inodes_in_use()
+    del lock  # its finalizer unlinks it
+
+
+SGLANG_LIKE = """
+import multiprocessing, sys, time, uuid
+from sglang.srt.managers.load_snapshot import ShmLoadSnapshotWriter, shm_path_for
+path = shm_path_for(uuid.uuid4().hex[:12])  # as a scheduler names it (PortArgs.instance_id)
+writer = ShmLoadSnapshotWriter(path, 1, 0)
+lock = multiprocessing.get_context("spawn").Lock()
+print(path, "sem." + lock._semlock.name.lstrip("/"), flush=True)
+time.sleep(600)
+"""
+
+
+def test_what_sglang_leaves_in_dev_shm_is_found_and_removed_after_a_sigkill():
+    """SGLang's own load-snapshot writer and a spawn context's semaphore, in a process group
+    then SIGKILLed as SGLang ends its processes: both files are left in /dev/shm, found from the
+    process while it ran, and removed after it ended."""
+    from sglang_eaas.deploy import shm
+
+    process = subprocess.Popen([sys.executable, "-c", SGLANG_LIKE], stdout=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        loads, sem = process.stdout.readline().split()
+        loads = Path(loads).name
+        assert loads.startswith("sglang_loads_") and sem.startswith("sem.mp-")
+        files = shm.files_in_use(process.pid)
+        assert loads in files and sem in files, files
+        seen = {(process.pid, psutil.Process(process.pid).create_time())}
+    finally:  # its multiprocessing resource tracker too, as SGLang's kill_process_tree does
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert (shm.SHM_DIR / loads).exists() and (shm.SHM_DIR / sem).exists()
+    removed, left = shm.remove_left(files, seen)
+    assert sorted(removed) == sorted([loads, sem]) and left == []
+    assert not (shm.SHM_DIR / loads).exists() and not (shm.SHM_DIR / sem).exists()
+
+
+def test_pid_stamped_names_are_read_as_their_makers_write_them():
+    from sglang.srt.utils.stale_shm_cleanup import make_shm_name
+
+    from sglang_eaas.deploy.shm import pid_stamp
+
+    assert pid_stamp(make_shm_name("mq")) == os.getpid()
+    assert pid_stamp(f"multi_tokenizer_args_{os.getpid()}") == os.getpid()
+    assert pid_stamp(f"ibgda-{os.getpid()}-0a1b") == os.getpid()
+    assert pid_stamp("sem.mp-x1y2z3w4") is None and pid_stamp("sglang_loads_a_b.shm") is None
+
+
 # -- a full PD deployment -----------------------------------------------------------------
 @dataclass
 class Running:
@@ -289,6 +524,7 @@ class Running:
     url: str
     table: dict[str, tuple[str, int]]  # part -> (address, pid)
     tree: list[tuple[int, float, list[str]]]  # every process under it, as seen so far
+    shm_before: dict[str, int]  # every file in /dev/shm before it started: name -> inode
 
     def output(self) -> str:
         return "".join(self.lines)
@@ -306,6 +542,7 @@ def pd_deployment(tmp_path_factory):
     # the monitor's default timings (a late heartbeat on these saturated cores is a suspicion)
     path.write_text(yaml.safe_dump(config(expert_servers={"count": 2, "replicas": 2,
                                                           "standby": 2})))
+    shm_before = _shm_files()
     command = subprocess.Popen(
         [sys.executable, "-m", "sglang_eaas.deploy", str(path), "--log-dir", str(tmp / "logs")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -317,7 +554,8 @@ def pd_deployment(tmp_path_factory):
         url = _wait_for_line(command, lines, "deploy: serving at ", timeout=900).split()[3]
         rows = re.findall(r"^([\w-]+) +(\S+).* (\d+) +\S+\.log$", "".join(lines), re.M)
         yield Running(command, lines, url, {name: (address, int(pid))
-                                            for name, address, pid in rows}, _tree(command.pid))
+                                            for name, address, pid in rows}, _tree(command.pid),
+                      shm_before)
     finally:
         if command.poll() is None:
             os.killpg(command.pid, signal.SIGKILL)
@@ -643,13 +881,54 @@ def test_sigterm_stops_the_deployment_in_order_leaving_nothing(pd_deployment):
         "deploy: stopping prefill-0, decode-0") < output.index(
         "deploy: stopping expert-server-0, expert-server-1") < output.index(
         "deploy: stopping monitor")
-    assert output.rstrip().endswith("deploy: stopped, no process left")
+    assert output.rstrip().endswith("deploy: stopped, no process or shared-memory file left")
     left = [(pid, cmd) for pid, created, cmd in running.tree if alive(pid, created)]
     assert not left
-    shm = [f for f in os.listdir("/dev/shm")
-           if any(f.startswith(f"ibgda-{pid}-") for pid, _, _ in running.tree)]
-    assert not shm
+    # Every file in /dev/shm now that was not there before the deployment started (the same
+    # name and inode) is a leak, whoever made it, unless a live process has it mapped or open:
+    # then it is that process's (the deployment's are all gone, checked above), e.g. the
+    # monolithic SGLang these tests compare with, started after the deployment. A file another
+    # program made and left meanwhile would fail the test too: on a machine running only the
+    # suite there is none, and excusing files by name or age would let the deployment's own
+    # through.
+    new = {name: inode for name, inode in _shm_files().items()
+           if running.shm_before.get(name) != inode}
+    used = _shm_inodes_in_use()
+    leaked = sorted(name for name, inode in new.items() if inode not in used)
+    assert not leaked, (leaked, [line for line in output.splitlines() if "/dev/shm" in line])
     assert not accepts(running.url.removeprefix("http://"))
+
+
+def _shm_files() -> dict[str, int]:
+    """Every file in /dev/shm now: name -> inode."""
+    files = {}
+    for entry in os.scandir("/dev/shm"):
+        try:
+            files[entry.name] = entry.inode()
+        except OSError:
+            pass
+    return files
+
+
+def _shm_inodes_in_use() -> set[int]:
+    """Inodes of the /dev/shm files some live process has mapped or open, read here from
+    /proc/PID/maps and /proc/PID/fd (by inode: a semaphore is mapped under the name of the
+    temporary file sem_open made it as, unlinked since)."""
+    used = set()
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                used |= {int(line.split()[4]) for line in maps if " /dev/shm/" in line}
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except (OSError, ValueError):
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                    used.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+            except OSError:
+                pass
+    return used
 
 
 def _wait_for_line(command: subprocess.Popen, lines: list[str], start: str,

@@ -20,6 +20,7 @@ from typing import Callable
 
 from sglang_eaas import transports
 from sglang_eaas.addresses import AddressError, parse_address
+from sglang_eaas.balance.policy import MODES as BALANCE_MODES, BalanceSettings
 from sglang_eaas.elastic.autoscaler import ACTS, AutoscalePolicy, AutoscaleSettings
 from sglang_eaas.elastic.layout_policy import LAYOUT_MODES, LayoutPolicy, LayoutSettings
 from sglang_eaas.esft.adapter import AdapterError, default_max_experts, load_adapter
@@ -196,6 +197,7 @@ class EaasConfig:
     spawn: LocalSpawn | None = None  # set by the launcher where it started the servers
     autoscale: AutoscaleSettings | None = None  # --eaas-autoscale
     layout: LayoutSettings | None = None  # --eaas-layout tp|auto (None: ep, as started)
+    balance: BalanceSettings | None = None  # --eaas-balance reactive|predictive (None: off)
     max_servers: int | None = None  # --eaas-max-servers (None: what the placement can use)
     suspect_timeout: float = SUSPECT_TIMEOUT  # an embedded monitor's
 
@@ -510,6 +512,35 @@ def add_cli_args(parser: argparse.ArgumentParser,
                            help=f"With --eaas-layout auto: {text}.")
 
 
+    group.add_argument(
+        "--eaas-balance",
+        choices=BALANCE_MODES,
+        default=None,
+        help="Re-place replicated experts while serving (docs/balancing.md, 'In the serving "
+        "stack'): every --eaas-balance-period seconds attention rank 0 looks at a load "
+        "estimate and, when its busiest expert server is above --eaas-balance-trigger times "
+        "the mean and a plan on the same slots lowers it, re-places (after the estimate "
+        "settled, at most once per --eaas-balance-cooldown, at most --eaas-balance-budget "
+        "replicas at once), as an operation of the tier controller over the weight fabric. "
+        "'predictive' plans on a forecast of the next --eaas-balance-horizon seconds of decode "
+        "load from the running requests' own routing (their prefill's first); 'reactive' on "
+        "the entries the expert servers computed over the last --eaas-balance-horizon "
+        "seconds; 'off' (default) does neither. Needs a monitor (the embedded one counts); "
+        "with --enable-metrics, /metrics shows the forecast's accuracy and cost.",
+    )
+    for flag, kind, meta, text in (
+            ("period", float, "SECONDS", "seconds between looks (default 1)"),
+            ("horizon", float, "SECONDS", "seconds of load an estimate covers (default 5)"),
+            ("trigger", float, "RATIO", "busiest server over the mean above which a MoE layer "
+             "is imbalanced (default 1.15)"),
+            ("cooldown", float, "SECONDS", "least time between two re-placements (default 15)"),
+            ("budget", _count, "N", "most replicas one re-placement adds (default 64)"),
+            ("slots", _count, "N", "experts of one MoE layer an expert server may hold "
+             "(default: what the fullest one holds now, so memory does not grow)")):
+        group.add_argument(f"--eaas-balance-{flag}", type=kind, default=None, metavar=meta,
+                           help=f"With --eaas-balance reactive|predictive: {text}.")
+
+
 LOCAL_ONLY = ("--eaas-kernel and --eaas-disable-shrink apply to the local expert servers this "
               "launcher starts; give servers started separately --kernel and --disable-shrink "
               "instead")
@@ -532,7 +563,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                          "eaas_load_dump", "eaas_load_window", "eaas_esft",
                          "eaas_esft_adapters", "eaas_esft_slots", "eaas_esft_max_experts",
                          "eaas_esft_replicas", "eaas_max_servers", *AUTOSCALE_FLAGS,
-                         *LAYOUT_FLAGS)
+                         *LAYOUT_FLAGS, *BALANCE_FLAGS)
             if getattr(args, name, None) is not None
         ]
         if given:
@@ -589,7 +620,7 @@ def from_cli_args(args: argparse.Namespace) -> EaasConfig | None:
                      tuple(args.eaas_esft_adapters or ()), args.eaas_esft_slots,
                      args.eaas_esft_max_experts, args.eaas_esft_replicas or 1)
     cfg = replace(cfg, suspect_timeout=suspect, autoscale=autoscale_settings(args),
-                  layout=layout_settings(args),
+                  layout=layout_settings(args), balance=balance_settings(args),
                   max_servers=getattr(args, "eaas_max_servers", None))
     from sglang_eaas.protocol.operations import lease_ttl
 
@@ -647,6 +678,31 @@ def layout_settings(args: argparse.Namespace) -> LayoutSettings | None:
         except ValueError as exc:
             raise ValueError(f"--eaas-layout-cost: {exc}") from None
     return LayoutSettings(mode, policy, cost)
+
+
+BALANCE_FLAGS = ("eaas_balance", "eaas_balance_period", "eaas_balance_horizon",
+                 "eaas_balance_trigger", "eaas_balance_cooldown", "eaas_balance_budget",
+                 "eaas_balance_slots")
+
+
+def balance_settings(args: argparse.Namespace) -> BalanceSettings | None:
+    """``--eaas-balance*``; None for 'off'; ``ValueError`` (one sentence) for a bad value."""
+    mode = getattr(args, "eaas_balance", None) or "off"
+    given = [f"--{n.replace('_', '-')}" for n in BALANCE_FLAGS[1:]
+             if getattr(args, n, None) is not None]
+    if mode == "off":
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --eaas-balance reactive or "
+                             "predictive")
+        return None
+    optional = {name: getattr(args, f"eaas_balance_{name}") for name in (
+        "period", "horizon", "trigger", "cooldown", "budget", "slots")}
+    try:
+        return BalanceSettings(mode, **{k: v for k, v in optional.items() if v is not None})
+    except ValueError:
+        raise ValueError("--eaas-balance-period and --eaas-balance-horizon must be > 0, "
+                         "--eaas-balance-trigger >= 1 and --eaas-balance-cooldown >= 0"
+                         ) from None
 
 
 AUTOSCALE_FLAGS = ("eaas_autoscale", "eaas_autoscale_ttft", "eaas_autoscale_tpot",

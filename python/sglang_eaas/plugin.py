@@ -172,6 +172,13 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
+        "AROUND",
+        prepare.unlaunched,
+        "--eaas where no launcher ran (python -m sglang.benchmark.one_batch builds its "
+        "ModelRunner itself): start or check the expert tier in this process first",
+    ),
+    Hook(
+        "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
         "AFTER",
         sglang_moe.check_loaded_model,
         "--eaas: refuse MoE layers that stayed local; log the parameter bytes each rank holds",

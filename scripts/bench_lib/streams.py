@@ -26,6 +26,8 @@ class Run:
     sent: list[float] = field(default_factory=list)
     finished: list[list[float]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    # (worker, n, output token ids) of each request that ran to its length
+    outputs: list[tuple[int, int, list[int]]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -52,7 +54,7 @@ def closed_loop(url: str, prompt_of: Callable[[int, int], str | list[int]], outp
             body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "stream": True,
                     "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0,
                                         "ignore_eos": True}, **fields}
-            times, reason, sent = [], None, time.perf_counter()
+            times, reason, sent, ids = [], None, time.perf_counter(), []
             try:
                 with requests.post(f"{url}/generate", json=body, stream=True,
                                    timeout=120) as response:
@@ -60,7 +62,9 @@ def closed_loop(url: str, prompt_of: Callable[[int, int], str | list[int]], outp
                     for line in response.iter_lines():
                         if not line.startswith(b"data: ") or line == b"data: [DONE]":
                             continue
-                        meta = json.loads(line[len(b"data: "):])["meta_info"]
+                        chunk = json.loads(line[len(b"data: "):])
+                        meta = chunk["meta_info"]
+                        ids = chunk.get("output_ids") or ids
                         times += [time.perf_counter()] * (meta["completion_tokens"] - len(times))
                         reason = meta["finish_reason"]
                         if stop.is_set():
@@ -72,6 +76,7 @@ def closed_loop(url: str, prompt_of: Callable[[int, int], str | list[int]], outp
                 run.sent.append(sent)
                 if (reason or {}).get("type") == "length":
                     run.finished.append(times)
+                    run.outputs.append((worker, n - 1, list(ids)))
                 elif not stop.is_set():
                     run.failed.append(json.dumps(reason)[:300])
 

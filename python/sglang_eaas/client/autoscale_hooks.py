@@ -29,7 +29,7 @@ import urllib.request
 from typing import Any, Callable
 
 from sglang_eaas import envs
-from sglang_eaas.client.metrics import metrics_enabled
+from sglang_eaas.client.metrics import OptionalMetrics
 from sglang_eaas.elastic.autoscaler import Autoscaler, Decision, TierBusy
 from sglang_eaas.elastic.tier_busy import TierBusySampler
 from sglang_eaas.membership import current_snapshot
@@ -107,12 +107,8 @@ class SchedulerAutoscaler:
             self.metrics.decided(decision, answer)
 
 
-class _Metrics:
+class _Metrics(OptionalMetrics):
     """The autoscaler's gauges in SGLang's ``/metrics`` (``--enable-metrics``)."""
-
-    @classmethod
-    def create(cls) -> "_Metrics | None":
-        return cls() if metrics_enabled() else None
 
     def __init__(self):
         from prometheus_client import Counter, Gauge

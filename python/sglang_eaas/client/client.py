@@ -27,6 +27,7 @@ import torch
 
 from ibgda import TransportError
 from sglang_eaas import transports
+from sglang_eaas.balance.forecast import RoutingBook
 from sglang_eaas.balance.load import LoadWindow
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.connection import ServerConnection
@@ -61,7 +62,7 @@ class EaasClient:
                  metrics: TierMetrics | None = None, micro_batches: int = 1,
                  load_window: int = DEFAULT_WINDOW_STEPS,
                  load_sinks: Sequence[Callable[[LoadWindow], None]] = (),
-                 adapter_slots: int = 0):
+                 adapter_slots: int = 0, routing: RoutingBook | None = None):
         """``micro_batches``: 2 to have two layers in flight at once (two-batch overlap:
         ``dispatch(micro_batch=i)``), each on a slot of its own at every server.
         ``load_window``: steps per load window; ``load_sinks``: called with each one.
@@ -73,6 +74,7 @@ class EaasClient:
         self.metrics = metrics or TierMetrics()
         self.load = LoadRecorder(name, info.moe_layers, info.num_experts, load_window,
                                  load_sinks)
+        self.routing = routing
         self.tier = ClientTier(TierSettings(tuple(addresses), monitor, heartbeat, result_timeout,
                                             transport, expected_experts, wait_for_experts,
                                             micro_batches=micro_batches,
@@ -235,7 +237,11 @@ class EaasClient:
             self.load.count(layer_id, ids)
             self._start_host(handle, ids)
         else:
+            ids = topk_ids
             self.load.count(layer_id, topk_ids)
+        if self.routing is not None:  # a copy: the data path may mark ids it cannot send
+            self.routing.note(layer_id, ids.copy() if isinstance(ids, np.ndarray) else ids,
+                              row_offset)
         return handle
 
     def _start_host(self, handle: Dispatched, ids: np.ndarray) -> None:

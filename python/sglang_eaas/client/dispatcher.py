@@ -67,6 +67,10 @@ class EaasDispatcher(BaseDispatcher):
         self.tp_rank, self.tp_size = get_parallel().moe_tp_rank, get_parallel().moe_tp_size
         self._dispatched: dict[int, EaasDispatchOutput] = {}  # micro-batch -> awaiting b
         self._combining: dict[int, EaasCombineInput] = {}
+        # rows of micro-batch 0 at this layer's last call: micro-batch 1's rows follow them in
+        # the step (two-batch overlap splits a batch into two runs of consecutive rows, and
+        # runs micro-batch 0 ahead, so its call of a layer comes first)
+        self._first_rows = 0
 
     def dispatch(self, hidden_states: torch.Tensor, topk_output: Any) -> EaasDispatchOutput:
         self.dispatch_a(hidden_states, topk_output)
@@ -78,11 +82,14 @@ class EaasDispatcher(BaseDispatcher):
         ids, weights = self.client.reroute(self.layer_id, topk_output.topk_ids), \
             topk_output.topk_weights
         tokens, rank, ranks = hidden_states.shape[0], self.tp_rank, self.tp_size
+        if micro_batch == 0:
+            self._first_rows = tokens
+        start = 0 if micro_batch == 0 else self._first_rows  # where its rows start in the step
         share = slice(tokens * rank // ranks, tokens * (rank + 1) // ranks)
         if ranks > 1:  # every rank names every row that cannot be done
-            self.client.note_orphans(self.layer_id, ids)
+            self.client.note_orphans(self.layer_id, ids, start)
         handle = self.client.dispatch(self.layer_id, hidden_states[share], ids[share],
-                                      weights[share], row_offset=share.start,
+                                      weights[share], row_offset=start + share.start,
                                       micro_batch=micro_batch)
         self._dispatched[micro_batch] = EaasDispatchOutput(hidden_states, None, handle, share)
 

@@ -31,7 +31,7 @@ from typing import Callable
 
 from sglang_eaas import envs
 from sglang_eaas.balance.load import LoadWindow
-from sglang_eaas.client.metrics import metrics_enabled
+from sglang_eaas.client.metrics import OptionalMetrics
 from sglang_eaas.controller.controller import (
     Busy, Ended, Held, TierController, requester_name,
 )
@@ -172,12 +172,8 @@ class LayoutSwitcher:
                        "in EP", START_TIMEOUT)
 
 
-class _Metrics:
+class _Metrics(OptionalMetrics):
     """The layout's series in SGLang's ``/metrics`` (``--enable-metrics``)."""
-
-    @classmethod
-    def create(cls) -> "_Metrics | None":
-        return cls() if metrics_enabled() else None
 
     def __init__(self):
         from prometheus_client import Counter, Gauge

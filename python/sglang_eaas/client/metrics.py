@@ -56,6 +56,15 @@ if TYPE_CHECKING:
 EXCHANGE_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 4.0)
 
 
+class OptionalMetrics:
+    """Series a hook adds to SGLang's ``/metrics``: ``create()`` makes them where SGLang
+    serves it (``--enable-metrics``), and is None elsewhere."""
+
+    @classmethod
+    def create(cls):
+        return cls() if metrics_enabled() else None
+
+
 def metrics_enabled() -> bool:
     """Whether this SGLang process serves ``/metrics`` (``--enable-metrics``); False outside
     SGLang."""

@@ -19,6 +19,7 @@ import torch
 from sglang_eaas import config as eaas_config
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.client import EaasClient
+from sglang_eaas.balance.forecast import RoutingBook
 from sglang_eaas.client.load_sinks import DumpFile, Publisher, rank_path
 from sglang_eaas.client.metrics import PrometheusTierMetrics, TierMetrics
 from sglang_eaas.model_info import MoeModelInfo, is_routed_expert_tensor
@@ -41,6 +42,8 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
         expected = cfg.placement.holdings(info.moe_layers) if cfg.placement else None
         metrics = _metrics(server_args)
         sinks = _load_sinks(cfg, metrics)
+        routing = (RoutingBook(info.moe_layers, info.num_experts, info.top_k)
+                   if cfg.balance is not None and _first_rank() else None)
         _client = EaasClient(list(cfg.expert_servers.addresses), info,
                              ModelIdentity.of(server_args.model_path, info), dtype, name,
                              expected_experts=expected, transport=cfg.transport,
@@ -50,13 +53,20 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
                              metrics=metrics,
                              micro_batches=2 if overlapped(server_args) else 1,
                              load_window=cfg.load_window, load_sinks=sinks,
-                             adapter_slots=cfg.adapter_slots(info.num_experts))
+                             adapter_slots=cfg.adapter_slots(info.num_experts),
+                             routing=routing)
         atexit.register(_client.close)  # atexit runs it first: its last window, then the sinks
         logger.info("sglang-eaas: %s joined expert servers %s over %s%s (monitor %s, routing "
                     "table epoch %d)", name, ", ".join(c.address for c in _client.connections),
                     ", ".join(sorted({c.region.handle.backend for c in _client.connections})),
                     "; the exchange runs on the device" if _client.device_step else "",
                     cfg.monitor, _client.table.epoch)
+        if routing is not None:
+            from sglang_eaas.client.balance_hooks import TierBalancer
+
+            TierBalancer(cfg.balance, cfg.monitor, info, lambda: routing)
+            logger.info("sglang-eaas: --eaas-balance %s over the tier of monitor %s",
+                        cfg.balance.mode, cfg.monitor)
     return _client
 
 

@@ -34,6 +34,8 @@ def run_batch(run: Callable, scheduler: Any, batch: Any, *args, **kwargs) -> Any
         result = run(scheduler, batch, *args, **kwargs)
     finally:
         rows = client.end_step()
+        if client.routing is not None:
+            _route(client.routing, batch)
     failed = _agreed(_requests_of(batch, rows))
     if failed:
         _fail(client, batch, failed)
@@ -59,6 +61,21 @@ def _requests_of(batch: Any, rows: dict[int, str]) -> dict[int, str]:
         if index is not None:
             failed.setdefault(index, why)
     return failed
+
+
+def _route(book: Any, batch: Any) -> None:
+    """The step's rows to the requests that own them, for the balancer's forecast
+    (``balance/forecast.py``); a decode batch holds every running request."""
+    from sglang_eaas.balance.forecast import requests_of_step
+
+    mode = batch.forward_mode
+    try:
+        requests = requests_of_step(getattr(batch, "reqs", None) or [], mode.is_extend(),
+                                    getattr(batch, "extend_lens", None))
+    except ValueError as exc:
+        logger.debug("sglang-eaas: the forecast leaves this step out: %s", exc)
+        requests = []
+    book.end_step(requests, complete=mode.is_decode())
 
 
 def _agreed(failed: dict[int, str]) -> dict[int, str]:

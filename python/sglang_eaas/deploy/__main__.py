@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from sglang_eaas import envs
-from sglang_eaas.deploy import parts
+from sglang_eaas.deploy import parts, ports
 from sglang_eaas.deploy.config import FORMAT, DeployConfig, DeployConfigError, load_config
 from sglang_eaas.deploy.deployment import DeployError, Deployment, Interrupted, format_table
 
@@ -22,7 +22,8 @@ router in front of them. Each part is started once the parts before it serve; th
 where each part listens, its pid and its log file, and a line 'deploy: serving at URL' says where
 to send requests (/generate, /v1/completions, ... of the router). Ctrl-C or SIGTERM stops every
 process it started (router, SGLang instances, expert servers, monitor, in this order: SIGTERM,
-SIGKILL after --stop-grace seconds; a second Ctrl-C kills at once) and exits 0. An expert server
+SIGKILL after --stop-grace seconds; a second Ctrl-C kills at once), removes the /dev/shm files
+their processes left (SGLang's load snapshots and semaphores) and exits 0. An expert server
 that dies while serving is started again (up to 3 times; the other holders of its experts serve
 them meanwhile); any other part that dies stops everything, with exit status 1. The token the
 parts share is SGLANG_EAAS_TOKEN if set, else a new one; it is passed in the environment, never
@@ -30,8 +31,10 @@ on a command line.
 """
 
 EPILOG = "config format (every field but model is optional):\n\n" + FORMAT + """
-Ports are free ones picked at start, except router.port. Relative paths are read from the
-current directory. Example: python -m sglang_eaas.deploy examples/deploy/local-pd.yaml"""
+Ports are free ones picked at start, except router.port, a placement file's HOST:PORT keys and
+--NAME-port flags in args: those are checked free before anything starts. Relative paths are
+read from the current directory.
+Example: python -m sglang_eaas.deploy examples/deploy/local-pd.yaml"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +95,7 @@ def serve(deployment: Deployment) -> int:
             _error(f"{child.name} (pid {child.pid}) exited with code {child.exit_code()} "
                    f"while serving; see {child.log_path}; stopping everything")
             return _stopped(deployment, 1, "deploy: stopped after a part died")
-    return _stopped(deployment, 0, "deploy: stopped, no process left")
+    return _stopped(deployment, 0, "deploy: stopped, no process or shared-memory file left")
 
 
 def _stopped(deployment: Deployment, code: int, line: str) -> int:
@@ -105,21 +108,22 @@ def _stopped(deployment: Deployment, code: int, line: str) -> int:
 
 def plan(config: DeployConfig) -> str:
     """What ``--check`` prints: the config's parts and their commands (ports picked now)."""
-    ports, logs = parts.Ports(set()), Path("LOG_DIR")
+    picked = parts.Ports({p.port for p in ports.fixed_ports(config)})
+    logs = Path("LOG_DIR")
     lines = [f"{config.source}: valid. The parts, in start order (ports are picked again at "
              f"start; the token goes in {envs.TOKEN.name}, never on a command line):"]
     monitor_url = None
     if config.sglang.eaas:
         etcd_dir = Path(tempfile.gettempdir()) / "eaas-deploy-etcd-XXXX"
-        monitor, monitor_url = parts.monitor_child(config, ports, logs, etcd_dir)
+        monitor, monitor_url = parts.monitor_child(config, picked, logs, etcd_dir)
         lines.append(_line(monitor) if monitor else f"  monitor: an existing one, {monitor_url}")
         dtype = config.sglang.dtype if config.sglang.dtype not in (None, "auto") else (
             "<the dtype SGLang resolves for --dtype auto>")
-        lines += [_line(c) for c in parts.expert_server_children(config, monitor_url, ports,
+        lines += [_line(c) for c in parts.expert_server_children(config, monitor_url, picked,
                                                                   logs, dtype)]
-    sglang = parts.sglang_parts(config, monitor_url, ports, logs)
+    sglang = parts.sglang_parts(config, monitor_url, picked, logs)
     lines += [_line(p.child) for p in sglang]
-    router, url = parts.router_child(config, sglang, ports, logs)
+    router, url = parts.router_child(config, sglang, picked, logs)
     lines += [_line(router), f"requests go to {url}"]
     return "\n".join(lines)
 

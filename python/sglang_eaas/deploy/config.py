@@ -2,13 +2,20 @@
 
 One mistake is one ``DeployConfigError`` sentence naming the field's path
 (``expert_servers.count: must be a positive integer, got 0``); a key the format does not have is
-refused by name. Relative paths (``model``, ``expert_servers.placement``) are read from the
+refused by name, and so is a key given twice in one mapping (PyYAML would keep the last one
+silently). What SGLang's own parser would refuse (``sglang.transfer_backend`` not one of its
+transfer backends, a flag's value not one of its choices or not of its type) is refused here too,
+by that parser (``ServerArgs.add_cli_args``, the plugin's group included), before anything
+starts. Relative paths (``model``, ``expert_servers.placement``) are read from the
 current directory. The format is ``FORMAT`` below, which ``--help`` prints.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import shutil
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -47,10 +54,11 @@ sglang:
   plain: {count: 1, args: []}    # plain instances (the default), or PD instead:
   prefill: {count: 1, args: []}  #   prefill and decode instances (both needed)
   decode: {count: 1, args: []}
-  transfer_backend: mooncake_tcp # PD only: --disaggregation-transfer-backend
+  transfer_backend: mooncake_tcp # PD only: --disaggregation-transfer-backend, one of
+                                 #   SGLang's (its parser's choices)
 router:
   host: 127.0.0.1                # where the router listens (default 127.0.0.1)
-  port: 30000                    # default: a free port
+  port: 30000                    # default: a free port; a given one is checked free first
   args: []                       # more flags of python -m sglang_router.launch_router
 """
 
@@ -141,10 +149,38 @@ def load_config(path: str | Path) -> DeployConfig:
 
     text = read_utf8(path, DeployConfigError)
     try:
+        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise DeployConfigError(f"{path}: not valid YAML{yaml_problem(exc)}") from None
     return parse_config(data, str(path))
+
+
+def _refuse_duplicate_keys(node: Any, source: str | Path, where: str = "",
+                           seen: set[int] | None = None) -> None:
+    """``DeployConfigError`` for the first key given twice in one mapping of the composed YAML
+    ``node`` (the field's path and both lines)."""
+    import yaml
+
+    seen = set() if seen is None else seen
+    if node is None or id(node) in seen:  # an alias met again
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[Any, int] = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            path = f"{where}.{name}" if where else str(name)
+            if name is not None and name != "<<":
+                if name in lines:
+                    raise DeployConfigError(
+                        f"{path}: given twice in {source}, at lines {lines[name]} and "
+                        f"{key.start_mark.line + 1}; give each key once")
+                lines[name] = key.start_mark.line + 1
+            _refuse_duplicate_keys(value, source, path, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, source, f"{where}[{i}]", seen)
 
 
 def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
@@ -171,8 +207,9 @@ def parse_config(data: Any, source: str = "<config>") -> DeployConfig:
                                         "standalone) is started by the deployment")
             monitor = replace(monitor, args=_args("monitor_args", top["monitor_args"]))
         servers, expert_args = _expert_servers(top.get("expert_servers", {}), info)
-    return DeployConfig(model, monitor, servers, expert_args, sglang,
-                        _router(top.get("router", {})), source)
+    router = _router(top.get("router", {}))
+    _as_sglang_reads_it(model, sglang)  # last: it imports SGLang (seconds)
+    return DeployConfig(model, monitor, servers, expert_args, sglang, router, source)
 
 
 # -- sections ---------------------------------------------------------------------------------
@@ -324,6 +361,62 @@ def _sglang(value: Any) -> SGLangPlan:
                                 f"({', '.join(sorted(map(str, dtypes)))}) but the expert "
                                 f"servers hold one; give --dtype once in {where}.args")
     return SGLangPlan(args, eaas, instances, backend, dtypes.pop())
+
+
+class _Complaint(Exception):
+    """What SGLang's parser says is wrong."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """SGLang's parser, raising its complaint instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise _Complaint(message)
+
+
+@functools.cache
+def sglang_parser() -> argparse.ArgumentParser:
+    """``python -m sglang.launch_server``'s parser: SGLang's ``ServerArgs.add_cli_args`` with
+    the plugin's ``--eaas`` group, raising ``_Complaint`` where SGLang would exit."""
+    with warnings.catch_warnings():  # SGLang's import warns of GPU-only kernels on CPU hosts
+        warnings.simplefilter("ignore")
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.server_args import ServerArgs
+
+        load_plugins()  # idempotent: the plugin's hooks (its option group) in this process
+        parser = _Parser(prog="sglang.launch_server", add_help=False)
+        ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def sglang_choices(flag: str) -> list[str] | None:
+    """The values SGLang's parser allows for ``flag`` (None: any, or no such flag)."""
+    for action in sglang_parser()._actions:
+        if flag in action.option_strings:
+            return None if action.choices is None else list(action.choices)
+    return None
+
+
+def _as_sglang_reads_it(model: Path, plan: SGLangPlan) -> None:
+    """``DeployConfigError`` for what SGLang's own parser refuses in the instances' flags and
+    the transfer backend. Flags it does not know are left to SGLang's launch (its message names
+    them)."""
+    if plan.pd:
+        where = "sglang.transfer_backend"
+        choices = sglang_choices("--disaggregation-transfer-backend")
+        if choices is not None and plan.transfer_backend not in choices:
+            raise DeployConfigError(f"{where}: {plan.transfer_backend!r} is not one of SGLang's "
+                                    f"transfer backends ({', '.join(choices)})")
+    lists = [("sglang.args", plan.args)] + [(f"sglang.{group.mode}.args", group.args)
+                                            for group in plan.instances]
+    for where, args in lists:
+        if not args:
+            continue
+        try:
+            sglang_parser().parse_known_args(["--model-path", str(model), *args])
+        except _Complaint as exc:
+            raise DeployConfigError(f"{where}: SGLang's parser refuses it: "
+                                    f"{str(exc).removeprefix('argument ')}") from None
 
 
 def _instances(where: str, mode: str, value: Any) -> Instances:

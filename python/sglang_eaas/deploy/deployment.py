@@ -6,7 +6,9 @@ each answers ``/health_generate``) -> the router (until ``/health`` answers and 
 ``/generate`` through it returns tokens). Stop, at ``stop()``, on leaving the ``with`` block and
 on any failure while starting: router -> SGLang instances -> expert servers -> monitor, each
 stage SIGTERMed as process groups and SIGKILLed after a grace period, until none of their
-processes is left.
+processes is left; then the ``/dev/shm`` files its processes had in use and left behind
+(SGLang's load snapshots and ``multiprocessing`` semaphores, ``shm``) are removed. Before anything
+starts, every port the config fixes is checked free (``ports``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Callable
 from ibgda import TransportError
 from sglang_eaas import envs
 from sglang_eaas.controller.end_state import read_end_state
-from sglang_eaas.deploy import parts, ready
+from sglang_eaas.deploy import parts, ports, ready, shm
 from sglang_eaas.deploy.config import ETCD, DeployConfig
 from sglang_eaas.deploy.processes import Child, stop_together
 from sglang_eaas.model_info import MoeModelInfo
@@ -113,6 +115,14 @@ class Deployment:
         left = [f"{c.name}: {c.left()}" for stage in self.stages for c in stage if c.left()]
         if left:
             notes.append("processes still there after SIGKILL: " + "; ".join(left))
+        children = [c for stage in self.stages for c in stage]
+        removed, kept = shm.remove_left(
+            {name: inode for c in children for name, inode in c.shm_files.items()},
+            {p for c in children for p in c.seen})
+        if removed:
+            self.progress(f"deploy: removed {len(removed)} files the parts left in "
+                          f"{shm.SHM_DIR} ({', '.join(removed)})")
+        notes += kept
         if self._etcd_dir:
             shutil.rmtree(self._etcd_dir, ignore_errors=True)
         return notes
@@ -205,6 +215,7 @@ class Deployment:
                     del self._restarting[child.name]
                     held.finish(DONE, f"{child.name} is back on {child.address}",
                                 read_end_state(self.monitor_url, self.token, None))
+                    child.note_shm()
                     lines.append(f"deploy: {child.name} is back on {child.address} (pid "
                                  f"{child.pid})")
         return lines
@@ -238,12 +249,17 @@ class Deployment:
 
     # -- starting -----------------------------------------------------------------------------
     def _start(self) -> None:
-        cfg, ports = self.config, parts.Ports(set())
+        cfg = self.config
+        busy = ports.busy_port(cfg)
+        if busy:
+            raise DeployError(busy)
+        # picked ports avoid the fixed ones: free now, they are bound only later
+        picked = parts.Ports({p.port for p in ports.fixed_ports(cfg)})
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.progress(f"deploy: logs in {self.log_dir}")
         if cfg.sglang.eaas:
-            self._start_expert_tier(ports)
-        sglang = parts.sglang_parts(cfg, self.monitor_url, ports, self.log_dir)
+            self._start_expert_tier(picked)
+        sglang = parts.sglang_parts(cfg, self.monitor_url, picked, self.log_dir)
         for part in sglang:
             self.progress(f"deploy: starting {part.child.name} on {part.url}")
         self._launch([p.child for p in sglang])
@@ -257,17 +273,17 @@ class Deployment:
             return ", ".join(f"{n} (/health_generate)" for n in waiting) or None
 
         self._wait("SGLang instances", serving)
-        router, self.url = parts.router_child(cfg, sglang, ports, self.log_dir)
+        router, self.url = parts.router_child(cfg, sglang, picked, self.log_dir)
         self.progress(f"deploy: starting the router on {self.url}")
         self._launch([router])
         self._wait("router", lambda: ready.router(self.url))
 
-    def _start_expert_tier(self, ports: parts.Ports) -> None:
+    def _start_expert_tier(self, picked: parts.Ports) -> None:
         cfg = self.config
         if cfg.monitor.kind == ETCD:
             self._etcd_dir = tempfile.mkdtemp(prefix="eaas-deploy-etcd-")
         monitor, self.monitor_url = parts.monitor_child(
-            cfg, ports, self.log_dir, Path(self._etcd_dir) if self._etcd_dir else None)
+            cfg, picked, self.log_dir, Path(self._etcd_dir) if self._etcd_dir else None)
         if monitor is not None:
             self.progress(f"deploy: starting {monitor.name} on {monitor.address}")
             self._launch([monitor])
@@ -276,7 +292,7 @@ class Deployment:
             self._wait(monitor.name, lambda: check(self.monitor_url))
         else:
             self._wait("the monitor", lambda: ready.monitor(self.monitor_url, self.token))
-        servers = parts.expert_server_children(cfg, self.monitor_url, ports, self.log_dir,
+        servers = parts.expert_server_children(cfg, self.monitor_url, picked, self.log_dir,
                                                self._expert_dtype())
         self.progress(f"deploy: starting {len(servers)} expert servers on "
                       f"{', '.join(s.address for s in servers)}")
@@ -320,6 +336,8 @@ class Deployment:
             elapsed = time.monotonic() - t0
             if left is None:
                 self.progress(f"deploy: {what} ready ({elapsed:.0f}s)")
+                for child in self.children():  # the shared-memory files made while starting
+                    child.note_shm()
                 return
             if elapsed > self.timeout:
                 raise DeployError(f"{what} not ready after {self.timeout:.0f}s: still waiting "

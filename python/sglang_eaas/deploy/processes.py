@@ -1,5 +1,7 @@
 """The deployment's child processes: each in a process group of its own, with a log file, stopped
 by SIGTERM to its group and SIGKILL after a grace period, until none of its processes is left.
+The ``/dev/shm`` files its processes had in use are noted while they run (``note_shm``), for the
+deployment to remove once they have ended (``shm.remove_left``).
 
 Its own group keeps a terminal's Ctrl-C (sent to the foreground group) away from the children,
 so the deployment stops them in its order; Linux also sends each one SIGTERM if the deployment
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from sglang_eaas.deploy import shm
 from sglang_eaas.launcher.local_servers import die_with_parent
 
 
@@ -31,6 +34,8 @@ class Child:
     process: subprocess.Popen | None = None
     # every process of its tree seen so far (pid, create time): checked gone at stop
     seen: set[tuple[int, float]] = field(default_factory=set)
+    # the /dev/shm files its processes had mapped or open when looked at: name -> inode
+    shm_files: dict[str, int] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -61,6 +66,25 @@ class Child:
         except psutil.Error:
             pass
 
+    def note_shm(self) -> None:
+        """Remember the ``/dev/shm`` files its processes have mapped or open now (SGLang's load
+        snapshots and semaphores: names no pid or port gives; ``shm``)."""
+        if self.process is None:
+            return
+        try:
+            root = psutil.Process(self.process.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        inodes: set[int] = set()
+        for p in tree:
+            try:
+                self.seen.add((p.pid, p.create_time()))
+            except psutil.Error:
+                continue
+            inodes |= shm.inodes_used_by(p.pid)
+        self.shm_files.update(shm.names_of(inodes))
+
     def log_tail(self, lines: int = 8) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
@@ -72,7 +96,7 @@ class Child:
     def terminate(self) -> None:
         """SIGTERM to its process group (where the children of its main process are too)."""
         if self.process is not None:
-            self.note_tree()
+            self.note_shm()  # the tree too
             _signal_group(self.process.pid, signal.SIGTERM)
 
     def left(self) -> list[int]:

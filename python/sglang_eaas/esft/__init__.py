@@ -2,7 +2,8 @@
 MoE layer replaced, everything else shared with the base model (docs/esft.md).
 
 The adapter format and its checks are ``adapter.py``; the text domains adapters are trained on
-``domains.py``; ESFT's expert selection ``relevance.py`` and its training ``finetune.py``;
+``domains.py``, or ESFT's JSON-lines data files ``data.py``; ESFT's expert selection
+``relevance.py`` and its training ``finetune.py``;
 random adapters for tests and merged checkpoints ``edit.py`` (all driven by
 ``python -m sglang_eaas.tools.esft``). The other modules serve adapters over the expert tier.
 """

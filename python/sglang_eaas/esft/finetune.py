@@ -1,7 +1,9 @@
 """ESFT training: fine-tune only a domain's most relevant routed experts of a checkpoint.
 
-1. The domain's files are split (``domains.split_domain``) and encoded with the base model's own
-   tokenizer (``training.token_stream``).
+1. The training text is split: a domain's files (``domains.split_domain``) or the records of a
+   JSON-lines file in ESFT's data format (``data.load_data``); both splits are encoded with the
+   base model's own tokenizer (``training.token_stream``). From here on both sources take the
+   same path.
 2. The base model (transformers, float32) runs over the first ``score_tokens`` of the training
    split; ``relevance`` scores the experts and picks, per MoE layer, the top ones reaching
    ``top_p``. Its loss on the held-out split is measured on the same run of windows as later.
@@ -16,7 +18,7 @@
    held-out split (the stdlib sources ``train_tiny_moe`` held out), where an adapter should
    cost little.
 
-Same arguments, torch version, thread count and domain files give the same bytes.
+Same arguments, torch version, thread count and domain files (or data file) give the same bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sglang_eaas.esft.adapter import load_adapter, write_adapter
+from sglang_eaas.esft.data import DEFAULT_HELD_OUT, load_data
 from sglang_eaas.esft.domains import get_domain, split_domain
 from sglang_eaas.esft.hf import apply_adapter, routed_experts
 from sglang_eaas.esft.relevance import SCORES, expert_scores, select_experts
@@ -40,9 +43,12 @@ DEFAULT_TOP_P = 0.2  # ESFT's own default; 2-3 of 32 experts per layer on tiny-m
 
 @dataclass(frozen=True)
 class EsftSpec:
-    """What to train and how (every field is a flag of ``tools.esft train``)."""
+    """What to train and how (every field is a flag of ``tools.esft train``): the text is a
+    ``domain`` or a ``data`` file, exactly one of them."""
 
-    domain: str
+    domain: str | None = None
+    data: str | None = None
+    held_out: float = DEFAULT_HELD_OUT
     steps: int = 300
     top_p: float = DEFAULT_TOP_P
     score: str = "token"
@@ -57,6 +63,10 @@ class EsftSpec:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the flag to fix."""
+        if (self.domain is None) == (self.data is None):
+            raise ValueError("give exactly one of --domain and --data")
+        if not 0 < self.held_out < 1:
+            raise ValueError("--held-out must be in (0, 1)")
         for name in ("steps", "batch", "seq_len", "score_tokens", "eval_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -102,6 +112,43 @@ def _freeze_all_but(model, chosen: dict[int, tuple[int, ...]]) -> list:
     return trainable
 
 
+@dataclass(frozen=True)
+class Corpus:
+    """The training text of either source, as the rest of ``train_adapter`` uses it: ``name``
+    and ``description`` for the adapter's metadata and card, the two splits' texts, and
+    ``facts`` for metrics.json's ``corpus`` (``unit``: what a text is, files or records)."""
+
+    name: str
+    description: str
+    train: tuple[str, ...]
+    held: tuple[str, ...]
+    facts: dict
+
+
+def load_corpus(spec: EsftSpec, tokenizer) -> Corpus:
+    """``spec``'s training text, split; ``DomainError`` / ``DataError`` when it cannot be."""
+    if spec.domain is not None:
+        domain = get_domain(spec.domain)
+        train, held = split_domain(domain, spec.max_train_mb)
+        return Corpus(domain.name, domain.description, train.texts, held.texts, {
+            "unit": "files", "train_files": len(train.files), "held_out_files": len(held.files),
+            "train_characters": train.chars,
+            "held_out_rule": f"crc32(relative path) % {HELD_OUT_MOD} == 0"})
+    path = Path(spec.data)
+    train, held, facts = load_data(path, spec.held_out, tokenizer)
+    rendering = ("with the checkpoint's chat template" if facts["messages_rendering"]
+                 == "chat template" else "joined plainly (the checkpoint has no chat template)")
+    description = (f"the {facts['records']} records of {path} in ESFT's JSON-lines format "
+                   f"({facts['text_records']} text, {facts['messages_records']} messages "
+                   f"rendered {rendering})")
+    return Corpus(path.stem, description, train.texts, held.texts, {
+        "unit": "records", "data_file": str(path.resolve()), **facts,
+        "train_records": len(train.lines), "held_out_records": len(held.lines),
+        "train_characters": train.chars,
+        "held_out_rule": f"the first 8 bytes of sha256(the record's canonical JSON) / 2**64 "
+                         f"< {spec.held_out}"})
+
+
 def _chosen_weights(model, info: MoeModelInfo, chosen, dtype) -> dict:
     """``{layer: {expert: (gate, up, down)}}`` of the trained experts, in ``dtype``."""
     inter = info.moe_intermediate_size
@@ -118,8 +165,8 @@ def _chosen_weights(model, info: MoeModelInfo, chosen, dtype) -> dict:
 
 def train_adapter(model_path: Path, out: Path, spec: EsftSpec, threads: int = 2,
                   minutes: float = 0.0, log=_log, command: str | None = None) -> dict:
-    """Train the adapter of ``spec.domain`` and write it, with metrics.json and README.md, to
-    ``out``; returns the metrics."""
+    """Train the adapter of ``spec.domain`` or ``spec.data`` and write it, with metrics.json and
+    README.md, to ``out``; returns the metrics."""
     import torch
 
     spec.validate()
@@ -129,17 +176,18 @@ def train_adapter(model_path: Path, out: Path, spec: EsftSpec, threads: int = 2,
     torch.manual_seed(spec.seed)
     model_path = Path(model_path)
     info = MoeModelInfo.from_model_path(model_path)
-    domain = get_domain(spec.domain)
-    train_split, held_split = split_domain(domain, spec.max_train_mb)
 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_ids = token_stream(tokenizer, list(train_split.texts))
-    held_ids = token_stream(tokenizer, list(held_split.texts))
-    log(f"[1/5] domain {domain.name}: {len(train_split.files)} train files "
-        f"({train_split.chars / 1e6:.2f} M characters, {train_ids.numel()} tokens), "
-        f"{len(held_split.files)} held-out files ({held_ids.numel()} tokens)")
+    corpus = load_corpus(spec, tokenizer)
+    unit = corpus.facts["unit"]
+    train_ids = token_stream(tokenizer, list(corpus.train))
+    held_ids = token_stream(tokenizer, list(corpus.held))
+    log(f"[1/5] {'domain' if spec.domain else 'data'} {corpus.name}: {len(corpus.train)} "
+        f"train {unit} ({corpus.facts['train_characters'] / 1e6:.2f} M characters, "
+        f"{train_ids.numel()} tokens), {len(corpus.held)} held-out {unit} "
+        f"({held_ids.numel()} tokens)")
     n_windows = (train_ids.numel() - 1) // spec.seq_len
     if n_windows < spec.batch:
         raise ValueError("the training split has fewer --seq-len windows than --batch")
@@ -206,7 +254,7 @@ def train_adapter(model_path: Path, out: Path, spec: EsftSpec, threads: int = 2,
         assert torch.equal(experts.down_proj.detach()[keep], w2[keep]), layer
     dtype = getattr(torch, info.dtype)
     write_adapter(out, info, _chosen_weights(model, info, chosen, dtype),
-                  {"domain": domain.name, "tool": "python -m sglang_eaas.tools.esft train"})
+                  {"domain": corpus.name, "tool": "python -m sglang_eaas.tools.esft train"})
     adapter = load_adapter(out, info, model_path=model_path)
     log(f"[4/5] wrote {adapter.count} experts to {out}; evaluating the base model with them")
     tuned = _load(model_path)
@@ -218,8 +266,8 @@ def train_adapter(model_path: Path, out: Path, spec: EsftSpec, threads: int = 2,
 
     metrics = {
         "command": command,
-        "domain": domain.name,
-        "domain_description": domain.description,
+        "domain": corpus.name,
+        "domain_description": corpus.description,
         "base_model": str(model_path),
         "base_fingerprint": info.fingerprint(),
         "spec": asdict(spec),
@@ -244,21 +292,19 @@ def train_adapter(model_path: Path, out: Path, spec: EsftSpec, threads: int = 2,
         "adapter_bytes": (out / "adapter.safetensors").stat().st_size,
         "model_bytes": sum(p.stat().st_size for p in model_path.glob("*.safetensors")),
         "corpus": {
-            "train_files": len(train_split.files),
-            "held_out_files": len(held_split.files),
-            "train_characters": train_split.chars,
+            **corpus.facts,
             "train_tokens": int(train_ids.numel()),
             "held_out_tokens": int(held_ids.numel()),
-            "held_out_rule": f"crc32(relative path) % {HELD_OUT_MOD} == 0",
             "python": sys.version.split()[0],
         },
         "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     (out / "README.md").write_text(adapter_card(metrics))
+    first, last = metrics["train_loss_first_last"]
     log(f"[5/5] held-out loss {metrics['held_out_loss_base']:.4f} (base) -> "
-        f"{metrics['held_out_loss_adapter']:.4f} (adapter); done in "
-        f"{time.monotonic() - start:.0f}s")
+        f"{metrics['held_out_loss_adapter']:.4f} (adapter); training loss {first:.4f} (first "
+        f"step) -> {last:.4f} (last); done in {time.monotonic() - start:.0f}s")
     return metrics
 
 
@@ -271,6 +317,7 @@ def _version(name: str) -> str:
 def adapter_card(m: dict) -> str:
     """The adapter's README.md, every number from its metrics."""
     s, c = m["spec"], m["corpus"]
+    unit = c.get("unit", "files")
     per_layer = ", ".join(f"layer {layer}: {ids}" for layer, ids in m["experts"].items())
     return f"""# ESFT adapter: {m['domain']}
 
@@ -286,9 +333,9 @@ ESFT's {s['score']} score over {m['score_sample_tokens']} training tokens of the
 top-p {s['top_p']}; nothing else was trained (routers frozen).
 - Training: {m['steps_run']} steps of {s['batch']} x {s['seq_len']} tokens, AdamW lr {s['lr']} \
 (warmup {s['warmup']}, cosine to a tenth), seed {s['seed']}, {m['threads']} threads: \
-{m['train_seconds']:.0f} s. Corpus: {c['train_files']} training files ({c['train_tokens']} \
-tokens), {c['held_out_files']} held-out files ({c['held_out_tokens']} tokens); a file is held \
-out when {c['held_out_rule']}.
+{m['train_seconds']:.0f} s. Corpus: {c['train_' + unit]} training {unit} \
+({c['train_tokens']} tokens), {c['held_out_' + unit]} held-out {unit} ({c['held_out_tokens']} \
+tokens); a {unit[:-1]} is held out when {c['held_out_rule']}.
 - Held-out loss ({m['held_out_tokens']} tokens, weights as stored): base model \
 **{m['held_out_loss_base']:.4f}**, with this adapter **{m['held_out_loss_adapter']:.4f}** \
 nats/token. On the base model's own held-out stdlib sources: \
@@ -297,6 +344,6 @@ nats/token. On the base model's own held-out stdlib sources: \
 {m['model_bytes']} bytes.
 
 Versions: torch {m['versions']['torch']}, transformers {m['versions']['transformers']}, \
-Python {c['python']}. The same arguments, torch version, thread count and domain files give the \
+Python {c['python']}. The same arguments, torch version, thread count and {unit} give the \
 same bytes.
 """

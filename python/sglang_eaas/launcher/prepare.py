@@ -296,3 +296,27 @@ def launch_subprocesses(launch: Callable, cls: type, server_args: Any, *args, **
         except (LaunchError, *LAUNCH_ERRORS) as exc:
             raise Refusal(str(exc)) from None
     return launch(cls, server_args, *args, **kwargs)
+
+
+def unlaunched(load_model: Callable, runner: Any, *args, **kwargs):
+    """AROUND ``ModelRunner.load_model``: where no SGLang launcher prepared the expert tier
+    (``python -m sglang.benchmark.one_batch`` builds its ``ModelRunner`` itself, in its own
+    process), prepare it here, once, before the MoE layers join it. A prepared config names
+    its monitor by URL; a launched worker's always is."""
+    server_args = runner.server_args
+    cfg = getattr(server_args, "_eaas", None)
+    if cfg is not None and not isinstance(cfg.monitor, str):
+        ranks = server_args.tp_size * server_args.pp_size * max(server_args.dp_size, 1)
+        if ranks > 1:
+            raise Refusal("--eaas: this command runs each of its ranks without SGLang's "
+                          "launcher, so none of them can start the expert tier for the others: "
+                          "run it with --tp 1, or start the expert servers and a monitor first "
+                          "and pass --eaas-expert-servers HOST:PORT,... and --eaas-monitor")
+        if cfg.token:
+            os.environ[envs.TOKEN.name] = cfg.token
+        try:
+            server_args._eaas = prepare_expert_servers(cfg, server_args.model_path,
+                                                       server_args.dtype, ranks)
+        except (LaunchError, *LAUNCH_ERRORS) as exc:
+            raise Refusal(str(exc)) from None
+    return load_model(runner, *args, **kwargs)

@@ -1,7 +1,8 @@
 """ESFT adapters of a checkpoint: train one on a domain, make a random one, merge one in.
 
-    python -m sglang_eaas.tools.esft train MODEL --domain NAME --out DIR [--steps N]
-        [--top-p P] [--score token|gate] [--seed N] [--threads N] [--lr LR] [--minutes M] ...
+    python -m sglang_eaas.tools.esft train MODEL (--domain NAME | --data FILE.jsonl) --out DIR
+        [--held-out SHARE] [--steps N] [--top-p P] [--score token|gate] [--seed N] [--threads N]
+        [--lr LR] [--minutes M] ...
     python -m sglang_eaas.tools.esft random MODEL OUT [--seed N] [--experts-per-layer K]
         [--layers L,..] [--experts JSON] [--scale S]
     python -m sglang_eaas.tools.esft merge MODEL ADAPTER OUT
@@ -19,6 +20,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from sglang_eaas.esft.adapter import default_max_experts
+from sglang_eaas.esft.data import DEFAULT_HELD_OUT
 from sglang_eaas.esft.domains import DOMAINS, DomainError
 from sglang_eaas.esft.edit import (
     DEFAULT_EXPERTS_PER_LAYER, DEFAULT_SCALE, choose_experts, merge, parse_experts,
@@ -32,18 +34,33 @@ PROG = "python -m sglang_eaas.tools.esft"
 
 
 def _train_parser(sub) -> None:
-    d = EsftSpec("-")
+    d = EsftSpec()
     p = sub.add_parser(
         "train", help="ESFT: pick a domain's most relevant experts and fine-tune only them",
-        description="Score every routed expert's relevance to a domain on the base model, keep "
+        description="Score every routed expert's relevance to a domain (a text domain of this "
+        "machine, or a JSON-lines file in ESFT's data format) on the base model, keep "
         "per MoE layer the top experts whose normalized scores reach --top-p, fine-tune only "
         "their weights (routers and everything else frozen) and write the adapter, "
-        "metrics.json (held-out loss with and without it) and README.md. Deterministic for "
-        "the same arguments, torch version, --threads and domain files.")
+        "metrics.json (held-out loss with and without it, training loss) and README.md. "
+        "Deterministic for the same arguments, torch version, --threads and domain or data "
+        "files.")
     p.add_argument("model", type=Path, help="base checkpoint directory (Qwen3-MoE or Mixtral)")
-    p.add_argument("--domain", required=True, choices=sorted(DOMAINS),
-                   help="training text: " + "; ".join(
-                       f"{name}: {dom.description}" for name, dom in DOMAINS.items()))
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--domain", choices=sorted(DOMAINS),
+                      help="training text already on this machine: " + "; ".join(
+                          f"{name}: {dom.description}" for name, dom in DOMAINS.items()))
+    text.add_argument("--data", metavar="FILE.jsonl",
+                      help="training text in ESFT's data format: one JSON object a line with "
+                      "either \"text\" (a non-empty string) or \"messages\" (a list of "
+                      "{\"role\", \"content\"} turns; other keys ignored). Messages are "
+                      "rendered with the checkpoint's chat template when its tokenizer has one, "
+                      "else joined plainly as ESFT's prompt format does (\"User: ...\" and "
+                      "\"Assistant: ...\" turns separated by a blank line). A bad line is refused "
+                      "naming it")
+    p.add_argument("--held-out", type=float, default=DEFAULT_HELD_OUT, metavar="SHARE",
+                   help="--data only: the share of records held out for the loss before and "
+                   "after, chosen by a hash of each record (stable, independent of line order); "
+                   f"each split needs at least one record (default {DEFAULT_HELD_OUT})")
     p.add_argument("--out", type=Path, required=True, help="adapter directory to write")
     p.add_argument("--steps", type=int, default=d.steps,
                    help=f"optimizer steps, the training budget (default {d.steps})")
@@ -67,9 +84,10 @@ def _train_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=d.seq_len,
                    help=f"tokens per window (default {d.seq_len})")
     p.add_argument("--max-train-mb", type=float, default=d.max_train_mb,
-                   help="read the domain's training files (in a fixed sampled order) up to this "
-                   "many million characters, the held-out files up to a twentieth of it; "
-                   f"0 = all (default {d.max_train_mb})")
+                   help="--domain only: read the domain's training files (in a fixed sampled "
+                   "order) up to this many million characters, the held-out files up to a "
+                   f"twentieth of it; 0 = all (default {d.max_train_mb}; --data reads every "
+                   "record)")
     p.add_argument("--score-tokens", type=int, default=d.score_tokens,
                    help="training tokens the base model runs over to score the experts "
                    f"(default {d.score_tokens})")

@@ -29,8 +29,8 @@ import numpy as np
 
 from ibgda import TransportError
 from sglang_eaas import envs
-from sglang_eaas.balance.apply import apply_placement
-from sglang_eaas.balance.live import POLICIES, LoadHistory, plan, tier_holdings
+from sglang_eaas.balance.live import POLICIES, LoadHistory, Plan, plan, tier_holdings
+from sglang_eaas.balance.operation import least_entries, rebalance
 from sglang_eaas.balance.scaler import DEFAULT_CV_TARGET
 from sglang_eaas.balance.server_load import (Counters, Since, default_state_path, expert_load,
                                              measured_ratio, read_counters, read_state, since,
@@ -38,12 +38,11 @@ from sglang_eaas.balance.server_load import (Counters, Since, default_state_path
 from sglang_eaas.client.load_recorder import DEFAULT_WINDOW_STEPS
 from sglang_eaas.controller.bounds import Refusal, check_whole_experts
 from sglang_eaas.controller.controller import (
-    Busy, Ended, Held, TierController, requester_name,
+    Busy, TierController, requester_name,
 )
-from sglang_eaas.controller.end_state import read_end_state
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.protocol.lines import ControlError
-from sglang_eaas.protocol.operations import DONE, REBALANCE, tier_message
+from sglang_eaas.protocol.operations import DONE
 from sglang_eaas.tools import operation_flags
 from sglang_eaas.membership import connect, parse_monitor
 from sglang_eaas.placement import PlacementError
@@ -150,11 +149,6 @@ def default_slots(current: Holdings, num_experts: int) -> int:
     return max(fullest + max(1, -(-num_experts // servers) // 4), -(-num_experts // servers))
 
 
-def least(load) -> int:
-    """The fewest tokens any MoE layer has in ``load`` ([L, E]; 0 with no layer)."""
-    return int(load.sum(axis=1).min()) if load.size else 0
-
-
 class Remembered:
     """The servers' counters at this tool's last pass: in the state file, and in memory for
     the passes of one run (a dry run remembers only in memory)."""
@@ -220,7 +214,7 @@ def clients_load(monitor, history: LoadHistory, args, first: bool):
         current, num_experts = tier_holdings(snapshot)
         layers = list(current.layers())
         load = history.total(layers, num_experts)
-        if least(load) >= args.min_tokens or time.monotonic() > deadline:
+        if least_entries(load) >= args.min_tokens or time.monotonic() > deadline:
             return current, num_experts, layers, load
         time.sleep(0.2)
 
@@ -257,7 +251,7 @@ def one_pass(monitor, history: LoadHistory, remembered: Remembered, args, token:
              first: bool, controller: TierController) -> None:
     got = read_load(monitor, history, remembered, args, token, first)
     current, load, layers = got.current, got.load, got.layers
-    if least(load) < args.min_tokens:
+    if least_entries(load) < args.min_tokens:
         say(f"rebalance: not enough load yet ({got.what}; --min-tokens {args.min_tokens} per "
             "MoE layer); nothing moved")
         return
@@ -281,28 +275,14 @@ def one_pass(monitor, history: LoadHistory, remembered: Remembered, args, token:
         say(f"rebalance: --dry-run: {len(decided.moves)} changes not made")
         return
 
-    def body(held: Held) -> Ended:
-        nonlocal decided
-        now, _ = tier_holdings(monitor.watch(-1, 0.0))
-        check_whole_experts(now, got.num_experts, "the balancer")
-        if now != decided.current:  # the tier changed since the plan: plan again on it
-            say("rebalance: the tier changed since the plan; planning again on it")
-            decided = plan(now, load, layers, args.slots or default_slots(now, got.num_experts),
-                           args.policy, **options)
-        held.note(_before=tier_message(decided.current), _target=tier_message(decided.target))
-        done = apply_placement(decided.current, decided.target, token, args.grace,
-                               say=lambda line: held.progress("  " + line), fence=held.fence)
-        result = (f"{sum(len(m.adds) for m in done.changes)} replicas added "
-                  f"({done.from_peer} from peers, {done.from_disk} from disk), "
-                  f"{sum(len(m.drops) for m in done.changes)} dropped, in {done.seconds:.1f}s")
-        reached, _ = tier_holdings(monitor.watch(-1, 0.0))
-        if reached.only(decided.target) != decided.target:
-            raise ValueError(f"the tier does not hold the plan after it was applied ({result})")
-        return Ended(result, read_end_state(args.monitor_url, token, None))
+    def replan(now: Holdings) -> Plan:
+        return plan(now, load, layers, args.slots or default_slots(now, got.num_experts),
+                    args.policy, **options)
 
     target = {"policy": args.policy, "num_experts": got.num_experts, "grace": args.grace}
     try:
-        record = controller.run(REBALANCE, target, body, wait=args.wait)
+        record = rebalance(controller, monitor, args.monitor_url, token, decided,
+                           got.num_experts, replan, target, args.grace, args.wait, say)
     except Busy as exc:
         if not args.interval:
             raise

@@ -1,0 +1,279 @@
+"""The next window's decode load, forecast from the routing of the requests now running.
+
+A request's prefill routes every prompt token through every MoE layer before its first decode
+step, and its decode tends to keep the experts its prompt used. So each running request gets a
+*profile*: the entries its own rows made per (MoE layer, expert) so far, prefill and decode
+(``RoutingBook``, fed by the client with each step's rows and which request owns them). The
+forecast of the next ``steps`` decode steps is the sum over running requests of
+``min(steps, remaining) * top_k`` entries spread as the request's profile spreads them
+(``remaining``: the tokens it may still generate). Requests still in SGLang's queue have no
+routing yet and are not in it; they show up at their prefill, a step after admission.
+
+Its accuracy is judged against what the window then computed: ``load_overlap`` (the share of the
+window's decode entries on experts as often as forecast, ``balance/predictor.load_accuracy``'s
+measure, per MoE layer) next to the same measure for the reactive guess (the last window's
+entries, prefill and decode). docs/balancing.md, "Forecast", says what it costs and how close
+it gets.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+
+
+MISSED = 2  # complete steps in a row a running request may be missing from before it leaves
+ARRIVALS = 32  # the latest requests whose prompt routing stands for the ones still to come
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One request's share of a step: ``rows`` consecutive token rows (after the previous
+    request's), whether they are decode rows, the tokens it may still generate, and whether it
+    ended with this step."""
+
+    key: str  # SGLang's rid
+    rows: int
+    decode: bool
+    remaining: int
+    finished: bool = False
+
+
+class RoutingBook:
+    """Per running request, the entries its rows made per (MoE layer, expert); and the decode
+    entries of all requests since the last ``take_decoded``.
+
+    The client calls ``note`` with each MoE layer call's ``[T, K]`` expert ids and the row
+    offset of those rows in the step (two-batch overlap sends a step in two micro-batches),
+    then ``end_step`` with the step's requests in row order. ``forecast`` and ``take_decoded``
+    may run on another thread. Profiles live in one ``[slots, L, E]`` array, a slot per running
+    request, so a step costs one ``bincount`` and one indexed add whatever its size.
+    """
+
+    def __init__(self, layers: Sequence[int], num_experts: int, top_k: int,
+                 forget_after: int = 256):
+        self.layers, self.num_experts, self.top_k = tuple(layers), num_experts, top_k
+        self.forget_after = forget_after  # steps a request may go unseen (retracted, aborted)
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
+        self._step: dict[int, list[tuple[int, np.ndarray]]] = {}  # layer -> (offset, ids)
+        self._slot: dict[str, int] = {}  # running request -> its row of the arrays below
+        self._free: list[int] = []
+        self._counts = np.zeros((0, len(self.layers), num_experts), dtype=np.float32)
+        self._remaining = np.zeros(0, dtype=np.int64)
+        self._seen = np.zeros(0, dtype=np.int64)  # the last step each slot's request was in
+        self._missed = np.zeros(0, dtype=np.int64)  # complete steps in a row it was not in
+        self._started = np.zeros(0, dtype=bool)  # whether it decoded (its prompt is counted)
+        # the latest requests' prompt routing, each [L, E] normalised per layer
+        self._arrivals: collections.deque[np.ndarray] = collections.deque(maxlen=ARRIVALS)
+        self._decoded = np.zeros((len(self.layers), num_experts), dtype=np.int64)
+        self._decode_steps = 0
+        self.steps = 0
+        self.unattributed = 0  # steps whose rows did not tile their requests' (left out)
+        self.cost = 0.0  # seconds spent in end_step and forecast, all told
+        self._ends: collections.deque[float] = collections.deque(maxlen=64)  # end_step times
+        self._lock = threading.Lock()
+
+    def note(self, layer: int, ids, row_offset: int = 0) -> None:
+        """One MoE layer call's ``[T, K]`` global expert ids (< 0: none), rows from
+        ``row_offset`` in the step: a numpy array, or a tensor on any device (read at
+        ``end_step``)."""
+        if layer in self._row:
+            self._step.setdefault(layer, []).append((row_offset, ids))
+
+    def end_step(self, requests: Sequence[StepRequest], complete: bool = False) -> None:
+        """The step is over: its rows to their requests (``requests`` in row order).
+        ``complete``: the step held every running request (SGLang's decode batch is its whole
+        running batch), so a request missing from ``MISSED`` such steps in a row has ended
+        (stopped at EOS, aborted) and leaves the book; one missing from one may just have
+        prefilled (with the overlap scheduler a new request joins the running batch a step
+        late). Otherwise requests leave when they end in a step, or after ``forget_after``
+        steps unseen."""
+        began = time.perf_counter()
+        try:
+            self._end_step(requests, complete)
+        finally:
+            ended = time.perf_counter()
+            self._ends.append(ended)
+            self.cost += ended - began
+
+    def _end_step(self, requests: Sequence[StepRequest], complete: bool) -> None:
+        step, self._step = self._step, {}
+        self.steps += 1
+        if not requests:
+            return
+        rows = sum(r.rows for r in requests)
+        L, E, R = len(self.layers), self.num_experts, len(requests)
+        layers = [self._row[layer] for layer in step]
+        tiled = [_assemble([(offset, _host(ids)) for offset, ids in step[layer]])
+                 for layer in step]
+        if any(ids is None or len(ids) < rows for ids in tiled):
+            self.unattributed += 1
+            tiled = []
+        # entries per (layer, request, expert): one bincount over (layer * R + request) * E + id
+        counts = np.zeros((L, R, E), dtype=np.int64)
+        if tiled:
+            owner = np.repeat(np.arange(R), [r.rows for r in requests])
+            ids = np.stack([t[:rows] for t in tiled]).astype(np.int64)  # rows past: padding
+            index = (np.asarray(layers)[:, None, None] * R + owner[None, :, None]) * E + ids
+            index = index[(ids >= 0) & (ids < E)]
+            counts = np.bincount(index, minlength=L * R * E).reshape(L, R, E)
+        decode = np.array([r.decode for r in requests], dtype=bool)
+        with self._lock:
+            slots = np.array([self._slot_of(r.key) for r in requests])
+            for slot in slots[decode & ~self._started[slots]]:  # a first decode step: its
+                self._started[slot] = True  # prompt's routing is what arrivals look like
+                prompt = self._counts[slot].astype(np.float64)
+                total = prompt.sum(axis=1, keepdims=True)
+                if total.any():
+                    self._arrivals.append(np.divide(prompt, total, out=np.zeros_like(prompt),
+                                                    where=total > 0))
+            self._counts[slots] += counts.transpose(1, 0, 2)
+            self._remaining[slots] = [r.remaining for r in requests]
+            self._seen[slots] = self.steps
+            if tiled and decode.any():
+                self._decoded += counts[:, decode].sum(axis=1)
+                self._decode_steps += 1
+            keys = {r.key for r in requests}
+            for r in requests:
+                if r.finished or r.remaining <= 0:
+                    self._release(r.key)
+            if complete:
+                for key, slot in list(self._slot.items()):
+                    if key in keys:
+                        self._missed[slot] = 0
+                        continue
+                    self._missed[slot] += 1
+                    if self._missed[slot] >= MISSED:
+                        self._release(key)
+            for key in [k for k, slot in self._slot.items()
+                        if self.steps - self._seen[slot] > self.forget_after]:
+                self._release(key)
+
+    def _slot_of(self, key: str) -> int:
+        slot = self._slot.get(key)
+        if slot is not None:
+            return slot
+        if not self._free:  # grow by half (at least 16 slots)
+            old = len(self._remaining)
+            grow = max(16, old // 2)
+            self._counts = np.concatenate([self._counts, np.zeros(
+                (grow, *self._counts.shape[1:]), dtype=self._counts.dtype)])
+            self._remaining = np.concatenate([self._remaining, np.zeros(grow, np.int64)])
+            self._seen = np.concatenate([self._seen, np.zeros(grow, np.int64)])
+            self._missed = np.concatenate([self._missed, np.zeros(grow, np.int64)])
+            self._started = np.concatenate([self._started, np.zeros(grow, bool)])
+            self._free = list(range(old + grow - 1, old - 1, -1))
+        slot = self._slot[key] = self._free.pop()
+        self._counts[slot] = 0
+        self._missed[slot] = 0
+        self._started[slot] = False
+        return slot
+
+    def _release(self, key: str) -> None:
+        slot = self._slot.pop(key, None)
+        if slot is not None:
+            self._remaining[slot] = 0
+            self._free.append(slot)
+
+    @property
+    def running(self) -> int:
+        return len(self._slot)
+
+    def profile(self, key: str) -> np.ndarray | None:
+        """``[L, E]``: the entries request ``key``'s rows made so far (None: not running)."""
+        with self._lock:
+            slot = self._slot.get(key)
+            return None if slot is None else self._counts[slot].astype(np.int64)
+
+    def forecast(self, steps: int) -> np.ndarray:
+        """``[L, E]`` float64: the decode entries of the next ``steps`` steps. Each running
+        request makes ``min(steps, remaining) * top_k`` per layer, spread as its profile spreads
+        them (a request with no entries yet in a layer adds none there). The tier keeps about as
+        many requests running, so the steps' other entries (``steps * running * top_k`` less
+        those) are the requests that will replace the ones that end: spread as the latest
+        ``ARRIVALS`` requests' prompts spread theirs (their prefill, seen a request's lifetime
+        before their decode shows in any counter)."""
+        began = time.perf_counter()
+        with self._lock:
+            live = np.fromiter(self._slot.values(), dtype=np.int64)
+            counts = self._counts[live].astype(np.float64)  # a copy: the step goes on
+            remaining = self._remaining[live]
+            arrivals = list(self._arrivals)
+        total = counts.sum(axis=2, keepdims=True)
+        share = np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
+        weight = np.minimum(steps, remaining).astype(np.float64) * self.top_k
+        out = np.einsum("r,rle->le", weight, share)
+        if arrivals:
+            rest = np.maximum(0.0, steps * len(live) * self.top_k - out.sum(axis=1))
+            out += rest[:, None] * np.mean(arrivals, axis=0)
+        self.cost += time.perf_counter() - began
+        return out
+
+    def step_seconds(self) -> float | None:
+        """The mean time between the last steps' ends (None before two)."""
+        ends = list(self._ends)
+        return (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else None
+
+    def take_decoded(self) -> tuple[np.ndarray, int]:
+        """The decode entries ``[L, E]`` since the last call, and the decode steps they came
+        from; both reset."""
+        with self._lock:
+            decoded, self._decoded = self._decoded, np.zeros_like(self._decoded)
+            steps, self._decode_steps = self._decode_steps, 0
+        return decoded, steps
+
+
+def _host(ids) -> np.ndarray:
+    """``ids`` as a host numpy array (the device path notes tensors: read once per step)."""
+    return ids if isinstance(ids, np.ndarray) else ids.cpu().numpy()
+
+
+def _assemble(parts: list[tuple[int, np.ndarray]]) -> np.ndarray | None:
+    """A layer's rows of one step from its calls' ``(row offset, ids)``; None when they do not
+    tile ``0 .. n`` (a layer called twice for the same rows, or a gap)."""
+    parts = sorted(parts, key=lambda p: p[0])
+    end = 0
+    for offset, ids in parts:
+        if offset != end:
+            return None
+        end += len(ids)
+    return parts[0][1] if len(parts) == 1 else np.concatenate([ids for _, ids in parts])
+
+
+def load_overlap(predicted: np.ndarray, actual: np.ndarray) -> np.ndarray:
+    """Per MoE layer (rows of ``[L, E]``), ``1 - 0.5 * L1`` of the two loads normalised to sum
+    1: the share of the actual entries on experts as often as predicted. NaN for a layer where
+    either has no entries."""
+    p, a = np.asarray(predicted, dtype=np.float64), np.asarray(actual, dtype=np.float64)
+    ps, as_ = p.sum(axis=1, keepdims=True), a.sum(axis=1, keepdims=True)
+    ok = (ps[:, 0] > 0) & (as_[:, 0] > 0)
+    out = np.full(len(p), np.nan)
+    out[ok] = 1.0 - 0.5 * np.abs(p[ok] / ps[ok] - a[ok] / as_[ok]).sum(axis=1)
+    return out
+
+
+def requests_of_step(reqs: Iterable, extend: bool, extend_lens: Sequence[int] | None
+                     ) -> list[StepRequest]:
+    """The ``StepRequest``s of one SGLang batch: ``reqs`` (``ScheduleBatch.reqs``), whether it
+    is an extend (prefill or mixed) batch and its ``extend_lens``. A request's rows in an
+    extend batch are decode rows when it is one row of a request that has output already (a
+    mixed batch's running requests)."""
+    reqs = list(reqs)
+    lens = list(extend_lens) if extend and extend_lens is not None else [1] * len(reqs)
+    if len(lens) != len(reqs):
+        raise ValueError(f"{len(reqs)} requests but {len(lens)} extend lengths")
+    out = []
+    for req, n in zip(reqs, lens):
+        produced = len(getattr(req, "output_ids", ()) or ())
+        limit = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
+        remaining = max(0, (limit if limit is not None else 1 << 30) - produced)
+        decode = not extend or (n == 1 and produced > 0)
+        finished = bool(req.finished()) if hasattr(req, "finished") else False
+        out.append(StepRequest(str(req.rid), int(n), decode, remaining, finished))
+    return out

@@ -1,0 +1,224 @@
+"""The forecast's bookkeeping against an independent count, and the balancer's policy on
+synthetic traces whose mix shifts (no tier started)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sglang_eaas.balance.forecast import RoutingBook, StepRequest, load_overlap, requests_of_step
+from sglang_eaas.balance.placer import balance_model
+from sglang_eaas.balance.policy import BalancePolicy, BalanceSettings, within_budget
+from sglang_eaas.balance.live import plan
+from sglang_eaas.holdings import Holdings
+
+LAYERS, E, K = (1, 3), 16, 3
+
+
+def step_ids(rng, rows):
+    """[rows, K] distinct expert ids per row, with some -1 (no expert) entries."""
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(rows)])
+    ids[rng.random(ids.shape) < 0.05] = -1
+    return ids
+
+
+def test_profiles_and_decode_entries_equal_a_count_row_by_row():
+    rng = np.random.default_rng(0)
+    book = RoutingBook(LAYERS, E, K)
+    expected: dict[str, np.ndarray] = {}  # per request, [L, E] counted one entry at a time
+    prompt: dict[str, np.ndarray] = {}  # the same, prefill rows only
+    decoded = np.zeros((len(LAYERS), E), dtype=np.int64)
+    steps = [
+        # a prefill of a (5 rows) and b (3), in two micro-batches split mid-b
+        [StepRequest("a", 5, False, 10), StepRequest("b", 3, False, 4)],
+        # a mixed step: a and b decode, c prefills 4 rows, then 2 rows of padding
+        [StepRequest("a", 1, True, 9), StepRequest("b", 1, True, 3),
+         StepRequest("c", 4, False, 6)],
+        [StepRequest("a", 1, True, 8), StepRequest("b", 1, True, 0, finished=True),
+         StepRequest("c", 1, True, 5)],
+    ]
+    for requests in steps:
+        rows = sum(r.rows for r in requests)
+        for i, layer in enumerate(LAYERS):
+            ids = step_ids(rng, rows + 2)  # 2 padding rows past the requests'
+            split = rows // 2 + 1
+            book.note(layer, ids[split:], row_offset=split)  # the second micro-batch first
+            book.note(layer, ids[:split], row_offset=0)
+            row = 0
+            for r in requests:
+                for t in range(row, row + r.rows):
+                    for e in ids[t]:
+                        if e >= 0:
+                            expected.setdefault(r.key, np.zeros((len(LAYERS), E), np.int64))
+                            expected[r.key][i, e] += 1
+                            if r.decode:
+                                decoded[i, e] += 1
+                            else:
+                                prompt.setdefault(r.key, np.zeros((len(LAYERS), E), np.int64))
+                                prompt[r.key][i, e] += 1
+                row += r.rows
+        book.end_step(requests)
+    assert book.profile("b") is None  # finished
+    for key in ("a", "c"):
+        assert (book.profile(key) == expected[key]).all(), key
+    got, decode_steps = book.take_decoded()
+    assert (got == decoded).all() and decode_steps == 2
+    assert book.take_decoded()[0].sum() == 0  # reset
+    # the forecast of the next 6 steps: a has 8 tokens left, c 5, so 6 * 2 * K - (6 + 5) * K
+    # entries per layer come from requests yet to arrive, spread as a's, b's and c's prompts
+    known = sum(min(6, left) * K * expected[key] / expected[key].sum(axis=1, keepdims=True)
+                for key, left in (("a", 8), ("c", 5)))
+    arrivals = np.mean([prompt[k] / prompt[k].sum(axis=1, keepdims=True) for k in "abc"], axis=0)
+    assert np.allclose(book.forecast(6), known + (6 * 2 * K - 11 * K) * arrivals)
+    assert book.unattributed == 0
+
+
+def test_rows_that_do_not_tile_the_step_are_left_out_and_counted():
+    book = RoutingBook(LAYERS, E, K)
+    ids = np.zeros((4, K), dtype=np.int64)
+    book.note(LAYERS[0], ids, row_offset=1)  # a gap at row 0
+    book.end_step([StepRequest("a", 4, False, 5)])
+    assert book.unattributed == 1 and book.profile("a").sum() == 0
+
+
+def test_requests_of_a_batch_say_which_rows_decode():
+    class Req:
+        def __init__(self, rid, out, limit, done=False):
+            self.rid, self.output_ids, self.done = rid, [0] * out, done
+            self.sampling_params = type("S", (), {"max_new_tokens": limit})()
+
+        def finished(self):
+            return self.done
+
+    reqs = [Req("x", 0, 8), Req("y", 3, 8), Req("z", 5, 6, done=True)]
+    mixed = requests_of_step(reqs, True, [7, 1, 1])
+    assert [(r.rows, r.decode, r.remaining, r.finished) for r in mixed] == [
+        (7, False, 8, False), (1, True, 5, False), (1, True, 1, True)]
+    assert all(r.decode and r.rows == 1 for r in requests_of_step(reqs, False, None))
+    with pytest.raises(ValueError, match="3 requests but 2"):
+        requests_of_step(reqs, True, [1, 1])
+
+
+def test_overlap_is_one_for_equal_shapes_and_nan_without_entries():
+    a = np.array([[1.0, 3.0], [0.0, 0.0]])
+    out = load_overlap(2 * a, a)
+    assert out[0] == 1.0 and np.isnan(out[1])
+    assert load_overlap(np.array([[1.0, 0.0]]), np.array([[0.0, 1.0]]))[0] == 0.0
+
+
+# -- the policy on synthetic traces ------------------------------------------------------------
+SERVERS = ["s0", "s1", "s2", "s3"]
+SLOTS = 5  # 16 experts over 4 servers: 4 each, one spare slot
+
+
+def mix(hot: int) -> np.ndarray:
+    """[L, E] expected shares: a Zipf-like load whose 4 hottest experts start at ``hot``."""
+    ranks = (np.arange(E) - hot) % E
+    share = 1.0 / (1 + ranks) ** 1.1
+    return np.tile(share / share.sum(), (len(LAYERS), 1))
+
+
+def sample(rng, shares: np.ndarray, entries: int) -> np.ndarray:
+    return np.stack([rng.multinomial(entries, row) for row in shares]).astype(np.float64)
+
+
+def fitted(shares: np.ndarray) -> Holdings:
+    return balance_model(shares * 1000, LAYERS, SERVERS, SLOTS)
+
+
+def run(policy, trace, holdings, rng, entries=4000, horizon=1):
+    """Looks once a second over ``trace`` (the mix of each second); the estimate is the sum of
+    the last ``horizon`` seconds' samples. Returns the seconds at which it acted."""
+    acts, recent = [], []
+    for t, shares in enumerate(trace):
+        recent = (recent + [sample(rng, shares, entries // horizon)])[-horizon:]
+        look, chosen = policy.look(float(t), sum(recent), holdings, SLOTS)
+        assert look is policy.looks[-1] and look.act == (chosen is not None)
+        if chosen is not None:
+            holdings = chosen.target
+            policy.acted(float(t))
+            acts.append(t)
+    return acts, holdings
+
+
+def test_no_decision_under_noise_or_with_too_few_entries():
+    rng = np.random.default_rng(1)
+    settings = BalanceSettings("predictive")
+    held = fitted(mix(0))
+    acts, _ = run(BalancePolicy(settings, LAYERS), [mix(0)] * 200, held, rng)
+    assert acts == []
+    # an imbalanced placement, but 100 entries a look: below min_entries, never acted on
+    contiguous = Holdings.uniform({s: range(4 * i, 4 * i + 4) for i, s in enumerate(SERVERS)},
+                                  LAYERS)
+    policy = BalancePolicy(settings, LAYERS)
+    acts, _ = run(policy, [mix(0)] * 20, contiguous, rng, entries=100)
+    assert acts == [] and "too little load" in policy.looks[-1].why
+
+
+@pytest.mark.parametrize("horizon", [1, 5])  # a forecast's switch; counters' sliding window
+def test_one_re_placement_per_shift(horizon):
+    rng = np.random.default_rng(2)
+    trace = [mix(0)] * 30 + [mix(6)] * 30 + [mix(11)] * 30
+    policy = BalancePolicy(BalanceSettings("predictive", cooldown=10), LAYERS)
+    acts, held = run(policy, trace, fitted(mix(0)), rng, horizon=horizon)
+    assert len(acts) == 2, policy.looks
+    assert 30 < acts[0] <= 30 + horizon + 2 and 60 < acts[1] <= 60 + horizon + 2, acts
+    # the placement it ends on fits the last mix
+    assert max(plan(held, mix(11) * 1000, LAYERS, SLOTS).before) <= 1.15
+
+
+def test_a_plan_over_budget_keeps_the_layers_that_gain_most():
+    current = Holdings.uniform({s: range(4 * i, 4 * i + 4) for i, s in enumerate(SERVERS)},
+                               LAYERS)
+    load = mix(0) * 1000
+    load[1] = mix(8)[1] * 1000 * 0.5 + mix(0)[1] * 500  # layer 3 less imbalanced
+    made = plan(current, load, LAYERS, SLOTS)
+    adds = {layer: sum(len(m.adds) for m in made.moves if m.layer == layer) for layer in LAYERS}
+    cut = within_budget(made, adds[1])
+    assert {m.layer for m in cut.moves} == {1}  # layer 1 gains most and fits the budget
+    assert cut.after[0] == made.after[0] and cut.after[1] == made.before[1]
+    assert within_budget(made, 10 ** 6) is made
+
+
+def test_a_complete_step_ends_the_requests_it_does_not_hold():
+    import torch
+
+    book = RoutingBook(LAYERS, E, K)
+    for layer in LAYERS:
+        book.note(layer, torch.zeros((3, K), dtype=torch.int64))  # the device path's tensors
+    book.end_step([StepRequest("a", 2, False, 5), StepRequest("b", 1, False, 5)])
+    assert book.running == 2 and book.profile("a")[0, 0] == 2 * K
+    for layer in LAYERS:
+        book.note(layer, np.ones((1, K), dtype=np.int64))
+    book.end_step([StepRequest("a", 1, True, 4)])  # a prefill step would not end b...
+    assert book.running == 2
+    for layer in LAYERS:
+        book.note(layer, np.ones((1, K), dtype=np.int64))
+    book.end_step([StepRequest("a", 1, True, 3)], complete=True)  # one decode step without b:
+    assert book.running == 2  # b may have just prefilled (the overlap scheduler merges late)
+    for layer in LAYERS:
+        book.note(layer, np.ones((1, K), dtype=np.int64))
+    book.end_step([StepRequest("a", 1, True, 2)], complete=True)  # ...two in a row: ended
+    assert book.running == 1 and book.profile("b") is None
+
+
+def test_the_balance_flags_are_checked_in_one_sentence():
+    from argparse import ArgumentParser
+
+    from sglang_eaas.config import add_cli_args, balance_settings
+
+    parser = ArgumentParser()
+    add_cli_args(parser)
+
+    def settings(*argv):
+        return balance_settings(parser.parse_args(list(argv)))
+
+    assert settings() is None and settings("--eaas-balance", "off") is None
+    got = settings("--eaas-balance", "predictive", "--eaas-balance-cooldown", "3",
+                   "--eaas-balance-slots", "12")
+    assert (got.mode, got.cooldown, got.slots, got.trigger) == ("predictive", 3.0, 12, 1.15)
+    with pytest.raises(ValueError, match="--eaas-balance-horizon only apply with --eaas-balance "
+                       "reactive or predictive"):
+        settings("--eaas-balance-horizon", "2")
+    with pytest.raises(ValueError, match="--eaas-balance-trigger >= 1"):
+        settings("--eaas-balance", "reactive", "--eaas-balance-trigger", "0.9")
