@@ -138,6 +138,8 @@ def overlaps(text: str) -> dict[str, float]:
         if family.name == "sglang_eaas_balance_estimate_overlap":
             for sample in family.samples:
                 out[sample.labels.get("estimate", "")] = sample.value
+        elif family.name == "sglang_eaas_balance_forecast_cost_share":
+            out["cost"] = family.samples[0].value if family.samples else None
     return out
 
 
@@ -235,8 +237,8 @@ def summarise(args, policy, loop, readings, bounds, records, seen, sent, info) -
     for worker, n, ids in loop.outputs:
         outputs.setdefault(sent[(worker, n)], set()).add(tuple(ids))
     overlap = {}
-    for name in ("predictive", "reactive"):
-        values = [s[name] for s in seen if name in s]
+    for name in ("predictive", "reactive", "cost"):
+        values = [s[name] for s in seen if s.get(name) is not None]
         if values:
             overlap[name] = statistics.mean(values)
     ratio = statistics.mean(ratios) if ratios else float("nan")
@@ -273,15 +275,18 @@ def report(args, info, experts, slots, results: list[Result], wall: float) -> Re
         f"{args.balance_args or '(defaults)'}. Busiest/mean: per {args.poll:g} s interval of the "
         "servers' counters, the busiest server's entries over the mean per MoE layer, the mean "
         f"over layers; **time-averaged** over the run, **after a shift** over the intervals "
-        f"starting within {args.after_shift:g} s of one. Cells: median [min-max] over "
+        f"starting within {args.after_shift:g} s of one. Overlaps and the forecast's cost: "
+        "SGLang's `/metrics`, read every interval, their mean. Cells: median [min-max] over "
         f"{args.runs} runs.")
     lines = ["| policy | busiest/mean, time-averaged | after a shift | p90 TPOT (ms) | "
              "re-placements | replicas added | longest token gap while re-placing (ms) | "
-             "elsewhere (ms) | forecast overlap | reactive-estimate overlap | failed |",
-             "|---|" + "---:|" * 10]
+             "elsewhere (ms) | forecast overlap | reactive-estimate overlap | forecast cost / "
+             "step time | failed |",
+             "|---|" + "---:|" * 11]
     by = {p: [r for r in results if r.policy == p] for p in args.policies}
     for policy, rs in by.items():
         gaps = [r.gap_moving * 1e3 for r in rs if r.gap_moving is not None]
+        costs = [100 * r.overlap["cost"] if "cost" in r.overlap else None for r in rs]
         lines.append(
             f"| {policy} | {spread([r.ratio for r in rs], '.3f')} | "
             f"{spread([r.after for r in rs], '.3f')} | "
@@ -292,6 +297,7 @@ def report(args, info, experts, slots, results: list[Result], wall: float) -> Re
             f"{spread([r.gap_else * 1e3 for r in rs], '.0f')} | "
             f"{spread([r.overlap.get('predictive') for r in rs], '.3f')} | "
             f"{spread([r.overlap.get('reactive') for r in rs], '.3f')} | "
+            f"{spread(costs, '.1f', '%')} | "
             f"{sum(r.failed for r in rs)} of {sum(r.requests for r in rs)} |")
     out.add("\n".join(lines))
     same, total = identical(results)
