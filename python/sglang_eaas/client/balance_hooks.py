@@ -10,7 +10,7 @@ A thread of rank 0's scheduler process looks at the tier every ``period`` second
   client fills from each step's rows: ``client/steps.py``), the steps in it from the step
   time; ``reactive``, the entries the servers computed over the last ``horizon`` seconds;
 * the decision (``balance/policy.BalancePolicy``) and, when it says so, the re-placement as one
-  operation of the tier controller (``balance/operation.rebalance``), logged with its reason.
+  operation of the tier controller (``controller/rebalance.rebalance``), logged with its reason.
 
 Both modes also judge the forecast made at the last look against the decode entries this rank
 computed since (``load_overlap`` per MoE layer), and the reactive estimate the same way, so
@@ -32,7 +32,7 @@ from ibgda import TransportError
 from sglang_eaas import envs
 from sglang_eaas.balance.forecast import RoutingBook, load_overlap
 from sglang_eaas.balance.live import plan, tier_holdings
-from sglang_eaas.balance.operation import rebalance
+from sglang_eaas.controller.rebalance import rebalance
 from sglang_eaas.balance.policy import BalancePolicy, BalanceSettings
 from sglang_eaas.balance.server_load import Counters, expert_load, read_counters, since
 from sglang_eaas.client.metrics import OptionalMetrics

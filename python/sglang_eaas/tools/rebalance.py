@@ -30,7 +30,7 @@ import numpy as np
 from ibgda import TransportError
 from sglang_eaas import envs
 from sglang_eaas.balance.live import POLICIES, LoadHistory, Plan, plan, tier_holdings
-from sglang_eaas.balance.operation import least_entries, rebalance
+from sglang_eaas.controller.rebalance import least_entries, rebalance
 from sglang_eaas.balance.scaler import DEFAULT_CV_TARGET
 from sglang_eaas.balance.server_load import (Counters, Since, default_state_path, expert_load,
                                              measured_ratio, read_counters, read_state, since,
