@@ -90,9 +90,22 @@ def plan(current: Holdings, load: np.ndarray, layers: Sequence[int], slots: int,
     else:
         target = balance_model(load, layers, servers, slots, previous=current, **options)
 
-    def ratios(holdings: Holdings) -> tuple[float, ...]:
-        return tuple(layer_load(holdings.only(servers).layer(layer), load[i]).max_over_mean
-                     for i, layer in enumerate(layers))
+    return Plan(current, target, moves(current, target), load, tuple(layers),
+                layer_ratios(current, load, layers, servers),
+                layer_ratios(target, load, layers, servers))
 
-    return Plan(current, target, moves(current, target), load, tuple(layers), ratios(current),
-                ratios(target))
+
+def layer_ratios(holdings: Holdings, load: np.ndarray, layers: Sequence[int],
+                 servers: Sequence[str] | None = None) -> tuple[float, ...]:
+    """Per MoE layer (rows of ``load``), the busiest of ``servers`` (default: every server of
+    ``holdings``) over the mean under ``holdings``, each expert's load split evenly over its
+    holders."""
+    servers = sorted(holdings) if servers is None else servers
+    return tuple(layer_load(holdings.only(servers).layer(layer), load[i]).max_over_mean
+                 for i, layer in enumerate(layers))
+
+
+def fullest(holdings: Holdings) -> int:
+    """The most experts any server holds in any MoE layer (0 for none)."""
+    return max((len(ids) for layers in holdings.values() for ids in layers.values()),
+               default=0)

@@ -8,7 +8,7 @@ estimate alone:
 
 - too few entries in some MoE layer (``min_entries``): nothing, the estimate is noise;
 - within ``cooldown`` seconds of the last re-placement: nothing;
-- the estimate's busiest server over the mean (``balance/evaluate.layer_load``) on the current
+- the estimate's busiest server over the mean (``balance/live.layer_ratios``) on the current
   placement is at most ``trigger`` in every layer: nothing, and the streak ends;
 - above it: a plan (``balance/live.plan``, the scaler and placer warm from the current
   placement, the same slots per server), which must lower the worst layer by at least ``gain``.
@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sglang_eaas.balance.evaluate import layer_load
-from sglang_eaas.balance.live import Plan, plan
+from sglang_eaas.balance.live import Plan, layer_ratios, plan
 from sglang_eaas.balance.placer import moves
 from sglang_eaas.holdings import Holdings
 
@@ -96,7 +95,7 @@ class BalancePolicy:
         if least < s.min_entries:
             return self._record(Look(now, None, None, False, f"too little load ({least:.0f} "
                                      f"entries in a MoE layer, fewer than {s.min_entries})"))
-        worst = max(_ratios(current, estimate, self.layers))
+        worst = max(layer_ratios(current, estimate, self.layers))
         if now - self.last_act < s.cooldown:
             return self._record(Look(now, worst, None, False, "cooldown"))
         if worst <= s.trigger:
@@ -113,7 +112,7 @@ class BalancePolicy:
         if len(streak) < s.settle:
             return self._record(Look(now, worst, planned, False, f"imbalanced ({worst:.2f}x); "
                                      f"settling ({len(streak) + 1} of {s.settle + 1} looks)"))
-        held = max(_ratios(self._pending[0].target, estimate, self.layers))
+        held = max(layer_ratios(self._pending[0].target, estimate, self.layers))
         if held > s.trigger:
             return self._record(Look(now, worst, planned, False, f"the plan of {s.settle} "
                                      f"looks ago gives {held:.2f}x now: the load is still "
@@ -131,12 +130,6 @@ class BalancePolicy:
     def _record(self, look: Look) -> tuple[Look, None]:
         self.looks = (self.looks + [look])[-64:]
         return look, None
-
-
-def _ratios(holdings: Holdings, load: np.ndarray, layers) -> list[float]:
-    servers = sorted(holdings)
-    return [layer_load(holdings.only(servers).layer(layer), load[i]).max_over_mean
-            for i, layer in enumerate(layers)]
 
 
 def within_budget(made: Plan, budget: int) -> Plan:

@@ -31,7 +31,7 @@ import numpy as np
 from ibgda import TransportError
 from sglang_eaas import envs
 from sglang_eaas.balance.forecast import RoutingBook, load_overlap
-from sglang_eaas.balance.live import plan, tier_holdings
+from sglang_eaas.balance.live import fullest, plan, tier_holdings
 from sglang_eaas.controller.rebalance import rebalance
 from sglang_eaas.balance.policy import BalancePolicy, BalanceSettings
 from sglang_eaas.balance.server_load import Counters, expert_load, read_counters, since
@@ -102,7 +102,7 @@ class TierBalancer:
             self._judge(book)
             self._guesses = {"predictive": forecast, "reactive": recent}
         estimate = forecast if self.settings.mode == "predictive" else recent
-        slots = self.settings.slots or _fullest(current)
+        slots = self.settings.slots or max(1, fullest(current))
         look, chosen = self.policy.look(now, estimate, current, slots)
         if self.metrics is not None:
             self.metrics.looked(look, book)
@@ -152,10 +152,6 @@ class TierBalancer:
             overlap = load_overlap(guess, decoded)
             if not np.isnan(overlap).all():
                 self.metrics.judged(name, float(np.nanmean(overlap)))
-
-
-def _fullest(current) -> int:
-    return max((len(ids) for layers in current.values() for ids in layers.values()), default=1)
 
 
 class _Metrics(OptionalMetrics):

@@ -29,7 +29,7 @@ import numpy as np
 
 from ibgda import TransportError
 from sglang_eaas import envs
-from sglang_eaas.balance.live import POLICIES, LoadHistory, Plan, plan, tier_holdings
+from sglang_eaas.balance.live import POLICIES, LoadHistory, Plan, fullest, plan, tier_holdings
 from sglang_eaas.controller.rebalance import least_entries, rebalance
 from sglang_eaas.balance.scaler import DEFAULT_CV_TARGET
 from sglang_eaas.balance.server_load import (Counters, Since, default_state_path, expert_load,
@@ -144,9 +144,8 @@ def say(line: str) -> None:
 
 def default_slots(current: Holdings, num_experts: int) -> int:
     servers = max(1, len(current))
-    fullest = max((len(ids) for layers in current.values() for ids in layers.values()),
-                  default=0)
-    return max(fullest + max(1, -(-num_experts // servers) // 4), -(-num_experts // servers))
+    return max(fullest(current) + max(1, -(-num_experts // servers) // 4),
+               -(-num_experts // servers))
 
 
 class Remembered:
