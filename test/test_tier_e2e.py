@@ -106,6 +106,17 @@ class Deployment:
         return sorted(a for a, m in self.servers().items()
                       if {k: list(v) for k, v in m.holdings.items() if v} == want)
 
+    def departure(self, address: str, incarnation: str, timeout: float):
+        """The monitor's record of ``address``'s ``incarnation`` leaving, once it has left."""
+        deadline = time.monotonic() + timeout
+        while True:
+            snapshot = self.watcher.watch(-1, 0.0)
+            gone = next((g for g in snapshot.departures if g.incarnation == incarnation), None)
+            if gone is not None and address not in {m.id for m in snapshot.servers()}:
+                return gone
+            assert time.monotonic() < deadline, f"the monitor has not lost {address}"
+            time.sleep(0.1)
+
     def pid(self, address: str) -> int:
         return probe(address, TOKEN).pid
 
@@ -152,9 +163,15 @@ def _metric(server, name: str) -> float:
 def test_a_server_killed_mid_stream_then_replaced(deployment):
     d = deployment
     victim = d.holding("s")[0]
+    incarnation = d.servers()[victim].incarnation
     failovers = _metric(d.sglang, "sglang_eaas_failovers_total")
     tokens = _streams(d.sglang, lambda: os.kill(d.pid(victim), signal.SIGKILL))
     assert tokens == d.baseline
+    # out of the monitor's table too (the next tests pick among its servers): over etcd because
+    # SGLang reported the closed connection, or the lease would keep it for LOSS_TIMEOUT
+    departure = d.departure(victim, incarnation, LOSS_TIMEOUT + 5)
+    if d.kind == "etcd":
+        assert departure.why.startswith("evicted: "), departure
     assert _metric(d.sglang, "sglang_eaas_failovers_total") >= failovers + 1
     log = d.sglang.log_path.read_text()
     assert re.search(rf"expert server {victim} leaves the table \(", log)

@@ -18,7 +18,8 @@ of its servers), which the data path (``EaasClient``) adopts between steps:
 * the monitor lost *this* client (it hung, or its process stalled): its servers took its
   slots back (and closed its connections), so ``recover`` registers again at once and joins
   them all afresh;
-* a server's control connection closed (the fastest sign of a crash): drop it, next view.
+* a server's control connection closed (the fastest sign of a crash): drop it, next view, and
+  report it (over etcd nothing else would take it out of the table before its lease's TTL).
 
 A dropped connection is closed only once the data path has adopted a view without it, so no
 step ever uses a closed connection. Servers given at launch that the monitor does not know are
@@ -551,7 +552,8 @@ class ClientTier:
                 if ready:  # a reply to a call of someone else's, not read yet
                     self._stop.wait(CLOSES_POLL)
                 continue
-            if self.presence is not None and self._lost_by_monitor(closed):
+            dead = not (self.presence is not None and self._lost_by_monitor(closed))
+            if not dead:
                 # Not the servers' death: the monitor lost this client (a stall of this
                 # process), so they took its slots back. Join them again now.
                 try:
@@ -561,12 +563,17 @@ class ClientTier:
                     continue
                 except TransportError as exc:
                     logger.warning("sglang-eaas: cannot register with the monitor again: %s", exc)
+            why = "its control connection closed (the server is gone)"
             with self._lock:
                 for conn in closed:
-                    self._drop(conn, "its control connection closed (the server is gone)",
-                               "connection_closed")
+                    self._drop(conn, why, "connection_closed")
                 view = self._build()
             self.on_view(view)
+            if dead and self.backend is not None:  # etcd lists it until its lease's TTL ends
+                for conn in closed:
+                    if conn.incarnation:
+                        threading.Thread(target=self._report, args=(conn, why),
+                                         daemon=True).start()
 
     def _rejoin_static(self) -> None:
         """Join again, once they answer, the servers given at launch that the monitor has never

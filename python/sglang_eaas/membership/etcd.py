@@ -29,8 +29,8 @@ For multi-host deployments, where the monitor must outlive any one SGLang launch
 
 etcd grants no lease shorter than its minimum TTL (``3/2 * election timeout``, rounded up to a
 second: run etcd with ``--heartbeat-interval 50 --election-timeout 250`` for 1 s) and checks for
-expired leases every 500 ms, so a silent member is lost within TTL + 0.5 s (a dead one sooner:
-its clients see its connections close).
+expired leases every 500 ms, so a silent member is lost within TTL + 0.5 s (a dead server sooner:
+its clients see their connections to it close and report it, which revokes its lease).
 """
 
 from __future__ import annotations
