@@ -99,24 +99,28 @@ def start_server(model: Path, *args: str, name: str, env: dict[str, str] | None 
                         env=env).start()
 
 
-def resident_bytes(server: SGLangServer) -> int:
-    """Resident memory of the server's process tree (launcher, ranks, detokenizer)."""
+def resident_bytes(server: SGLangServer) -> tuple[int, int]:
+    """Resident memory of the server's process tree (launcher, ranks, detokenizer): the sum of
+    their RSS (the pages of torch and the like that they share counted in each) and of their
+    PSS (a shared page split between the processes sharing it: what the tree costs the host)."""
     import psutil
 
     root = psutil.Process(server.process.pid)
-    total = 0
+    rss = pss = 0
     for process in (root, *root.children(recursive=True)):
         try:
-            total += process.memory_info().rss
+            full = process.memory_full_info()
         except psutil.NoSuchProcess:
-            pass
-    return total
+            continue
+        rss, pss = rss + full.rss, pss + full.pss
+    return rss, pss
 
 
 @pytest.fixture(scope="session")
 def monolithic_qwen3(tiny_qwen3):
-    """Plain SGLang (--tp 1, no --eaas) on the tiny Qwen3-MoE: the baseline of the suite."""
-    server = start_server(tiny_qwen3, name="monolithic-qwen3")
+    """Plain SGLang (--tp 1, no --eaas) on the tiny Qwen3-MoE: the baseline of the suite, its
+    KV pool sized by the CPU runtime's defaults (test_tp_ep weighs it)."""
+    server = start_server(tiny_qwen3, name="monolithic-qwen3", small_kv=False)
     yield server
     server.stop()
 

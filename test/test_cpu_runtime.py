@@ -13,7 +13,9 @@ import torch
 
 from sglang_eaas import cpu_runtime
 from sglang_eaas.cpu_runtime.moe_native_ep import moe_forward_native_ep
-from sglang_eaas.cpu_runtime.server_defaults import cpu_threads_binding, rank_mem_fraction
+from sglang_eaas.cpu_runtime.server_defaults import (
+    RUNNING_REQUESTS, cpu_threads_binding, rank_mem_fraction,
+)
 
 PROBE = (
     "import os, sys; from sglang_eaas import cpu_runtime as c; "
@@ -111,7 +113,9 @@ def test_rank_mem_fraction(sglang_fraction, ranks, numa_nodes, expected):
 def test_ranks_share_the_host_memory_unless_the_user_sized_it(monkeypatch, tiny_qwen3):
     """SGLang's own resolution, with the plugin's hooks: each rank's mem_fraction_static is
     SGLang's own (what it resolves when the user gives --max-total-tokens) split per
-    rank_mem_fraction; a user's --mem-fraction-static or --max-total-tokens is left alone."""
+    rank_mem_fraction, and its pool holds the model's context (4096 in the tiny config) times
+    the running requests (32 by default); a user's --mem-fraction-static or --max-total-tokens
+    is left alone."""
     from sglang.srt.arg_groups.overrides import resolved_view
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
@@ -133,8 +137,11 @@ def test_ranks_share_the_host_memory_unless_the_user_sized_it(monkeypatch, tiny_
     for ranks, args in ((1, ()), (2, ("--tp", "2")), (4, ("--tp", "2", "--pp-size", "2"))):
         sglang_own, tokens = resolved(*args, "--max-total-tokens", "4096")
         assert tokens == 4096  # SGLang's own fraction: 0.716 on a 24 GiB host, 0.95 for > 1 rank
-        assert resolved(*args) == (rank_mem_fraction(sglang_own, ranks, numa_nodes), None)
+        assert resolved(*args) == (rank_mem_fraction(sglang_own, ranks, numa_nodes),
+                                   4096 * RUNNING_REQUESTS)
     assert resolved("--tp", "2", "--mem-fraction-static", "0.6") == (0.6, None)
+    assert resolved("--max-running-requests", "3")[1] == 4096 * 3
+    assert resolved("--context-length", "1000", "--tp", "2")[1] == 1000 * RUNNING_REQUESTS
 
 
 class _Experts(torch.nn.Module):

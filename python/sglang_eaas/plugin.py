@@ -210,7 +210,8 @@ HOOKS: tuple[Hook, ...] = (
         "AROUND",
         server_defaults.size_kv_pools,
         "CPU runtime: the ranks of one server share the host's memory (mem_fraction_static "
-        "split between the ranks on a NUMA node) instead of each sizing its KV pool to all of it",
+        "split between the ranks on a NUMA node) instead of each sizing its KV pool to all of "
+        "it, and a pool holds the context length times the running requests (max_total_tokens)",
     ),
     Hook(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.__init__",

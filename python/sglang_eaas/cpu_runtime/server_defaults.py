@@ -7,6 +7,9 @@
   rank's cores are given; the usable cores are split evenly across ranks (shared if too few).
 * ``--mem-fraction-static``: the ranks of one server share the host's memory instead of each
   sizing its KV pool to all of it (``size_kv_pools``; ``rank_mem_fraction`` has the arithmetic).
+* ``--max-total-tokens``: a rank's KV pool holds what its requests can use, the context length
+  times ``--max-running-requests`` (``RUNNING_REQUESTS`` if not given), not half the host
+  (``kv_tokens_needed``); the fraction above still caps it.
 * ``--disaggregation-decode-retraction-backup cpu_tensor`` on a PD decode instance (``pd``).
 """
 
@@ -22,6 +25,9 @@ SOURCE = "sglang_eaas.cpu_runtime"
 # At most this share of the memory available when a server starts goes to the static memory
 # (model weights + KV pools) of all its ranks together; see rank_mem_fraction.
 HOST_STATIC_SHARE = 0.5
+# Requests a rank's KV pool holds at full context when --max-running-requests is not given: a
+# CPU decodes a few dozen at once before its throughput flattens (docs/cpu-runtime.md).
+RUNNING_REQUESTS = 32
 
 
 def cpu_threads_binding(num_ranks: int, cpus: list[int]) -> str:
@@ -104,7 +110,8 @@ def rank_mem_fraction(sglang_fraction: float, ranks_on_host: int, numa_nodes: in
 def size_kv_pools(handle_gpu_memory_settings: Callable[[Any], None], server_args: Any) -> None:
     """AROUND hook of SGLang's ``handle_gpu_memory_settings`` resolution step (where it picks
     mem_fraction_static): on the CPU runtime, the ranks' fraction from ``rank_mem_fraction``,
-    unless the user gave ``--mem-fraction-static`` or ``--max-total-tokens`` (theirs win)."""
+    and a pool of ``kv_tokens_needed`` tokens, unless the user gave ``--mem-fraction-static`` or
+    ``--max-total-tokens`` (theirs win)."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 
     cfg = resolving_view(server_args)
@@ -125,4 +132,26 @@ def size_kv_pools(handle_gpu_memory_settings: Callable[[Any], None], server_args
         fraction = rank_mem_fraction(
             cfg.mem_fraction_static, ranks_on_host, len(get_cpu_ids_by_node()) or 1
         )
-        declare_resolution(server_args, SOURCE, mem_fraction_static=fraction)
+        tokens = kv_tokens_needed(cfg)
+        declare_resolution(server_args, SOURCE, mem_fraction_static=fraction,
+                           **({} if tokens is None else {"max_total_tokens": tokens}))
+
+
+def kv_tokens_needed(cfg: Any) -> int | None:
+    """The KV tokens a rank needs: its context length (``--context-length``, else the model's,
+    as SGLang derives it) times its running requests (``--max-running-requests``, else
+    ``RUNNING_REQUESTS``); None where the model's config cannot be
+    read here (SGLang then names the problem itself, as it loads it)."""
+    context = cfg.context_length
+    if context is None:
+        from sglang.srt.utils.hf_transformers_utils import (
+            get_config, get_context_length, get_hf_text_config,
+        )
+
+        try:
+            hf = get_config(cfg.model_path, trust_remote_code=cfg.trust_remote_code,
+                            revision=cfg.revision)
+            context = get_context_length(get_hf_text_config(hf))
+        except Exception:  # noqa: BLE001 - SGLang reports an unreadable model as it loads it
+            return None
+    return int(context) * (cfg.max_running_requests or RUNNING_REQUESTS)
