@@ -19,7 +19,11 @@ mean per MoE layer in each poll interval, averaged over the layers and over the 
 replicas added (the monitor's operation records); the longest gap between two tokens of a
 request while a re-placement ran and elsewhere; the forecast's and the reactive estimate's
 overlap with the decode load that followed (SGLang's ``/metrics``, balancer runs); and whether
-every prompt's tokens were the same under every policy. Report: .cache/bench/balance-shift.md.
+every prompt's tokens were the same under every policy. And a measured bound, from the
+``off`` runs' counters: the busiest/mean a placement fitted in hindsight reaches, fitted to each
+phase's whole load and in place from the phase's first second (no lag, no move), and fitted to
+each interval's own load (what no policy acting on the past can beat). Report:
+.cache/bench/balance-shift.md.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_eaas import cpu_runtime, envs
+from sglang_eaas.balance.live import layer_ratios, plan, tier_holdings
 from sglang_eaas.controller.controller import TierController
 from sglang_eaas.deploy import DeployError, Deployment, parse_config
+from sglang_eaas.membership import connect
 from sglang_eaas.model_info import ModelError, MoeModelInfo
 from sglang_eaas.protocol.operations import DONE, REBALANCE
 
@@ -119,6 +125,7 @@ class Result:
     outputs: dict[str, set[tuple[int, ...]]] = field(default_factory=dict)  # prompt -> tokens
     failed: int = 0
     requests: int = 0
+    bound: dict[str, float] = field(default_factory=dict)  # off runs: fit -> ratio
 
 
 def config(args, experts: list[str], policy: str) -> dict:
@@ -189,6 +196,13 @@ def one(args, info, experts: list[str], slots: int, policy: str, run: int) -> Re
                 env={**os.environ, envs.TOKEN.name: token})
         say(f"  {policy}: " + ", ".join(f"{m} {s:g} s" for m, s in args.phases)
             + f", {args.concurrency} streams of {args.output_len} tokens")
+        holdings = None
+        if policy == "off":  # the placement the hindsight bound re-fits
+            watcher = connect(monitor, token)
+            try:
+                holdings = tier_holdings(watcher.watch(-1, 0.0))[0]
+            finally:
+                watcher.close()
         began[0] = time.perf_counter()
         readings.append((began[0], M.read_counters(addresses, token, layers, E)))
         try:
@@ -202,7 +216,47 @@ def one(args, info, experts: list[str], slots: int, policy: str, run: int) -> Re
         began[0] = loop.started
         records = [r for r in TierController(monitor, token, "bench_balance_shift")
                    .operations(64).operations if r.kind == REBALANCE and r.state == DONE]
-    return summarise(args, policy, loop, readings, bounds, records, seen, sent, info)
+    result = summarise(args, policy, loop, readings, bounds, records, seen, sent, info)
+    if holdings is not None:
+        result.bound = hindsight(args, loop.started, readings, bounds, holdings, slots, info)
+    return result
+
+
+def hindsight(args, started: float, readings, bounds, holdings, slots: int, info
+              ) -> dict[str, float]:
+    """The measured bound: per poll interval, the entries of each expert (summed over the
+    servers that computed them); the time-averaged busiest/mean (as ``summarise`` counts it,
+    each expert's entries split evenly over its holders) under a placement made by the
+    balancer's own planner (``balance.live.plan``, within the same slots) from the whole
+    phase's load and in place from its start (``phase``), and from each interval's own load
+    (``interval``); also ``phase`` over the intervals after a shift (``phase_after``)."""
+    min_entries = args.concurrency * info.top_k
+    layers = list(info.moe_layers)
+    shifts = [start for start, _ in bounds[1:]]
+    intervals = []  # (time from start, phase index, [layers, experts] entries)
+    for (t0, a), (_t1, b) in zip(readings, readings[1:]):
+        at = t0 - started
+        phase = max(i for i, (start, _) in enumerate(bounds) if start <= max(at, 0.0))
+        intervals.append((at, phase, (b - a).sum(axis=0).astype(np.float64)))
+
+    def ratio(placement, load) -> float:
+        r = np.array(layer_ratios(placement, load, layers))
+        r[load.sum(axis=1) < min_entries] = np.nan
+        return float(np.nanmean(r)) if not np.isnan(r).all() else float("nan")
+
+    fitted = {i: plan(holdings, sum(x for _, p, x in intervals if p == i), layers, slots).target
+              for i in {p for _, p, _ in intervals}}
+    phase = [(at, ratio(fitted[p], x)) for at, p, x in intervals]
+    own = [ratio(plan(holdings, x, layers, slots).target, x) for _, _, x in intervals]
+
+    def mean(values) -> float:
+        values = [v for v in values if not np.isnan(v)]
+        return statistics.mean(values) if values else float("nan")
+
+    return {"phase": mean(r for _, r in phase),
+            "phase_after": mean(r for at, r in phase
+                                if any(s <= at < s + args.after_shift for s in shifts)),
+            "interval": mean(own)}
 
 
 def summarise(args, policy, loop, readings, bounds, records, seen, sent, info) -> Result:
@@ -300,6 +354,19 @@ def report(args, info, experts, slots, results: list[Result], wall: float) -> Re
             f"{spread(costs, '.1f', '%')} | "
             f"{sum(r.failed for r in rs)} of {sum(r.requests for r in rs)} |")
     out.add("\n".join(lines))
+    fits = [r.bound for r in results if r.bound]
+    if fits:
+        out.add(
+            "Measured bound (the `off` runs' counters, re-fitted in hindsight by the "
+            "balancer's own planner within the same slots; each expert's entries split evenly "
+            "over its holders): a placement fitted to each phase's whole load and in place from "
+            "the phase's first second, with no lag and no move, gives a time-averaged "
+            f"busiest/mean of {spread([f['phase'] for f in fits], '.3f')} "
+            f"({spread([f['phase_after'] for f in fits], '.3f')} after a shift); one fitted to "
+            f"each {args.poll:g} s interval's own load gives "
+            f"{spread([f['interval'] for f in fits], '.3f')}. What is left above it is the "
+            "noise of which requests run in an interval, which no placement that acts on load "
+            "already seen can follow.")
     same, total = identical(results)
     verdict = [f"Tokens: {same} of {total} prompts gave the same tokens under every policy and "
                "run" + (" (**all**)" if same == total else " (**NOT all**)") + "."]
@@ -314,6 +381,13 @@ def report(args, info, experts, slots, results: list[Result], wall: float) -> Re
             f"{GOAL_CUT:.0%} less excess than reactive after a shift: "
             f"**{'met' if cut >= GOAL_CUT else 'NOT met'}** ({excess_p:.3f} against "
             f"{excess_r:.3f}: {cut:.0%} less).")
+        if fits:
+            floor = statistics.median(f["phase"] for f in fits)
+            verdict.append(
+                f"Bound: hindsight placement per phase {floor:.3f} "
+                + (f"> {GOAL_RATIO}: the ratio goal is out of reach of any placement on this "
+                   "traffic here." if floor > GOAL_RATIO else f"<= {GOAL_RATIO}: the goal is "
+                   "reachable by placement alone; what predictive misses is lag or planning."))
     verdict.append(f"Run time: {wall:.0f} s.")
     out.add("\n\n".join(verdict))
     return out

@@ -52,3 +52,27 @@ def test_identical_needs_one_output_per_prompt_across_policies():
     b = Result("predictive", 1, 1, 0, 0, 0, None, 0, outputs={"p": {(1, 2)}, "q": {(4,)}})
     assert identical([a, b]) == (1, 2)
     assert identical([a, a]) == (2, 2)
+
+
+def test_the_hindsight_bound_refits_per_phase_and_per_interval():
+    """Two servers of two slots each, four experts: the phase's fit splits the phase's two busy
+    experts; an interval where one expert has all the entries stays at 2 under any placement."""
+    from bench_balance_shift import hindsight
+
+    from sglang_eaas.holdings import Holdings
+
+    def cumulative(*loads):
+        total, out = np.zeros((2, 1, 4)), []
+        for t, load in enumerate(loads):
+            total = total + np.array([[load], [[0, 0, 0, 0]]])  # all counted on server 0
+            out.append((float(t), total.copy()))
+        return out
+
+    readings = cumulative([0, 0, 0, 0], [10, 10, 0, 0], [20, 0, 0, 0], [0, 0, 10, 10])
+    held = Holdings({"s0": {1: [0, 1]}, "s1": {1: [2, 3]}})
+    args = Namespace(concurrency=4, after_shift=1.5)
+    info = SimpleNamespace(top_k=1, moe_layers=[1])
+    bound = hindsight(args, 0.0, readings, [(0.0, "a"), (2.0, "b")], held, 2, info)
+    # phase a: [30, 10, 0, 0] puts 0 and 1 apart: 1.0, then 2.0; phase b: 2 and 3 apart: 1.0
+    assert bound == {"phase": (1.0 + 2.0 + 1.0) / 3, "phase_after": 1.0,
+                     "interval": (1.0 + 2.0 + 1.0) / 3}
