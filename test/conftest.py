@@ -17,6 +17,8 @@ os.environ.setdefault("SGLANG_EAAS_TOKEN", "sglang-eaas-test-token")
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
+# the tests' logs; one folder per pytest-xdist worker (the session's servers are per worker)
+TEST_LOGS = CACHE / "logs" / "test" / os.environ.get("PYTEST_XDIST_WORKER", "")
 # the benchmarks' fault tools the tests share: a CPU hog (a neighbour's job on the same cores)
 # and a TCP relay that can be cut (a partition)
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -77,13 +79,13 @@ def etcd(request):
     from sglang_eaas.tools.etcd_process import EtcdProcess
 
     module = request.module.__name__.removeprefix("test_")
-    with EtcdProcess(CACHE / "logs" / "test" / f"etcd-{module}.log") as process:
+    with EtcdProcess(TEST_LOGS / f"etcd-{module}.log") as process:
         yield process
 
 
 def open_log(name: str):
     """A fresh log file .cache/logs/test/NAME.log for processes a test starts."""
-    path = CACHE / "logs" / "test" / f"{name}.log"
+    path = TEST_LOGS / f"{name}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     return open(path, "w")
 
@@ -92,8 +94,8 @@ def start_server(model: Path, *args: str, name: str, env: dict[str, str] | None 
                  small_kv: bool = True) -> SGLangServer:
     """A float32 CPU server on ``model`` (``env`` added to this process's environment); its log
     goes to .cache/logs/test/NAME.log. ``small_kv=False`` leaves out ``--max-total-tokens 4096``:
-    the KV pools sized as a user's server's would be (from the host's memory)."""
-    log_path = CACHE / "logs" / "test" / f"{name}.log"
+    the KV pools sized as a user's server's would be (the CPU runtime's defaults)."""
+    log_path = TEST_LOGS / f"{name}.log"
     cpu_args = CPU_ARGS if small_kv else CPU_DEVICE_ARGS
     return SGLangServer(model, *cpu_args, "--dtype", "float32", *args, log_path=log_path,
                         env=env).start()
@@ -149,6 +151,7 @@ CPU_ONLY_SKIP = "cpu_only: needs a machine without a CUDA device, and this one h
 
 
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_module_rank)  # stable: the order within a module stays
     import torch
 
     has_cuda = torch.cuda.is_available()  # looked up now, so a test can monkeypatch it
@@ -160,3 +163,65 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=GPU_SKIP))
         elif cpu_only and has_cuda:
             item.add_marker(pytest.mark.skip(reason=CPU_ONLY_SKIP))
+
+
+# --- Workers: scripts/test.sh runs the suite on pytest-xdist workers, one module at a time on
+# each (--dist loadfile). The longest modules are handed out first, so the run does not end on
+# one of them alone. ---
+
+FIRST = ("test_deploy.py", "test_eaas_e2e.py", "test_eaas_equality.py", "test_tier_e2e.py",
+         "test_esft_serving.py", "test_failover.py", "test_elastic_serving.py",
+         "test_controller.py", "test_switch.py", "test_trained_model.py", "test_two_hosts.py")
+
+
+def _module_rank(item) -> int:
+    name = item.path.name
+    return FIRST.index(name) if name in FIRST else len(FIRST)
+
+
+# A test marked `alone` runs while no other worker runs a test (their fixtures' setup and
+# teardown included): it looks at the whole host (every file in /dev/shm). Consecutive `alone`
+# tests of a module hold the host from the first one's setup to the last one's teardown, so a
+# module fixture they share sees no other test either. A readers-writer lock between the
+# workers' processes: every other test holds it shared; a turnstile makes a waiting `alone` test
+# go before tests that ask after it.
+
+LOCKS = CACHE / "locks"
+_alone_held: list = []  # the open lock files while this worker holds the host
+
+
+def _flock(name: str, mode: int):
+    import fcntl
+
+    LOCKS.mkdir(parents=True, exist_ok=True)
+    handle = open(LOCKS / name, "a")
+    fcntl.flock(handle, mode)
+    return handle
+
+
+def _is_alone(item) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import fcntl
+
+    if _is_alone(item):
+        if not _alone_held:
+            turnstile = _flock("turnstile", fcntl.LOCK_EX)
+            _alone_held[:] = [turnstile, _flock("suite", fcntl.LOCK_EX)]
+        try:
+            yield
+        finally:
+            if not (_is_alone(nextitem) and nextitem.path == item.path):
+                for handle in reversed(_alone_held):
+                    handle.close()  # closing the file releases its lock
+                _alone_held.clear()
+        return
+    _flock("turnstile", fcntl.LOCK_EX).close()  # waits while an `alone` test waits or runs
+    shared = _flock("suite", fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        shared.close()

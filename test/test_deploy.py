@@ -562,6 +562,7 @@ def pd_deployment(tmp_path_factory):
         reader.join(10)
 
 
+@pytest.mark.alone  # the last one compares every file in /dev/shm: no other test meanwhile
 @pytest.mark.slow
 @pytest.mark.cpu_only  # SGLang with --device cpu
 def test_pd_deployment_serves_like_monolithic(pd_deployment, monolithic_trained):
@@ -583,6 +584,7 @@ def test_pd_deployment_serves_like_monolithic(pd_deployment, monolithic_trained)
         True, True, False, False]
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.cpu_only  # SGLang with --device cpu
 def test_an_expert_server_killed_during_pd_serving_loses_no_request_and_comes_back(
@@ -623,6 +625,7 @@ def test_an_expert_server_killed_during_pd_serving_loses_no_request_and_comes_ba
     assert concurrent_streams(running.url, STREAMS[:2], STREAM_TOKENS) == expected[:2]
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.cpu_only  # SGLang with --device cpu
 def test_the_tools_fail_within_seconds_given_each_others_ports(pd_deployment, capsys):
@@ -676,6 +679,7 @@ def _admin(url: str, token: str, body: dict | None = None, path: str = "/eaas/sc
     return requests.post(url + path, json=body, headers=headers, timeout=60)
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.cpu_only  # SGLang with --device cpu
 def test_operations_from_many_actors_at_once_are_serialised_and_lose_no_request(
@@ -869,6 +873,7 @@ def test_operations_from_many_actors_at_once_are_serialised_and_lose_no_request(
         assert len(now["active"]) == last.target["servers"], (last, now)
 
 
+@pytest.mark.alone
 @pytest.mark.slow
 @pytest.mark.cpu_only  # SGLang with --device cpu
 def test_sigterm_stops_the_deployment_in_order_leaving_nothing(pd_deployment):

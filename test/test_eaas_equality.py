@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import pytest
 import requests
-from conftest import CACHE, model_path, start_server
+from conftest import TEST_LOGS, model_path, start_server
 from transformers import AutoTokenizer
 
 from sglang_eaas.tools.make_tiny_model import PRESETS
@@ -105,7 +105,7 @@ def bfloat16_pair(tiny_top4):
     def start(eaas: bool) -> SGLangServer:
         name = f"equality-bf16-{'eaas' if eaas else 'mono'}"
         return SGLangServer(tiny_top4, *CPU_ARGS, "--dtype", "bfloat16", *(EAAS if eaas else ()),
-                            log_path=CACHE / "logs" / "test" / f"{name}.log").start()
+                            log_path=TEST_LOGS / f"{name}.log").start()
 
     pair = _start_pair(start)
     yield pair

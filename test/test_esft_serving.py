@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import CACHE, start_server
+from conftest import TEST_LOGS, start_server
 from sglang_eaas.esft.adapter import load_adapter
 from sglang_eaas.model_info import MoeModelInfo
 from sglang_eaas.membership import connect
@@ -286,7 +286,7 @@ def test_tensor_parallel_ranks_find_the_experts_rank_0_placed(expected, adapters
             assert _tokens(server, name) == expected[name], name
     finally:
         server.stop()
-    log = (CACHE / "logs" / "test" / "esft-tp2.log").read_text()
+    log = (TEST_LOGS / "esft-tp2.log").read_text()
     assert log.count("experts placed on") == len(names)  # by rank 0 only
 
 
@@ -313,5 +313,5 @@ def test_a_server_holding_adapter_experts_killed(eaas, expected, adapters):
     for name in names:
         assert results[name] == expected[name], name
     assert _tokens(eaas, names[0]) == expected[names[0]]
-    log = (CACHE / "logs" / "test" / "esft-eaas.log").read_text()
+    log = (TEST_LOGS / "esft-eaas.log").read_text()
     assert victim in log

@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from conftest import CACHE, open_log
+from conftest import CACHE, TEST_LOGS, open_log
 from sglang_eaas.checkpoint import ModelIdentity
 from sglang_eaas.client.connection import ServerConnection
 from sglang_eaas.launcher.local_servers import start_local_servers
@@ -38,7 +38,7 @@ def test_fuzz_at_full_counts(tiny_qwen3):
     """10^5 slot cases and 10^4 malformed control messages against a live server: it stays up,
     serves the good client correctly throughout and counts every rejection exactly."""
     result = run_fuzz(FuzzConfig(tiny_qwen3, slot_cases=100_000, control_cases=10_000, seed=0,
-                                 time_limit=300, log_dir=CACHE / "logs" / "test" / "fuzz"),
+                                 time_limit=300, log_dir=TEST_LOGS / "fuzz"),
                       progress=lambda _: None)
     failed = [f"{c.what}: {c.detail}" for c in result.checks if not c.passed]
     assert not failed, "\n".join(failed)

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from conftest import CACHE, PROMPTS, open_log, start_server
+from conftest import PROMPTS, TEST_LOGS, open_log, start_server
 from hf_reference import hf_greedy_routes
 from streams import concurrent_streams
 from sglang_eaas.balance.apply import apply_placement
@@ -73,7 +73,7 @@ class Deployment:
         self.started = []  # expert servers this test started (the embedded launcher's not)
         self.etcd = None
         if kind == "etcd":
-            self.etcd = EtcdProcess(CACHE / "logs" / "test" / "tier-etcd.log").start()
+            self.etcd = EtcdProcess(TEST_LOGS / "tier-etcd.log").start()
             self.monitor = self.etcd.url
             for entry in ("s", "s", "x"):
                 self.add(entry)
@@ -81,7 +81,7 @@ class Deployment:
                                        "--enable-metrics", name="tier-etcd")
         else:
             self.monitor = f"127.0.0.1:{free_port()}"
-            placement = CACHE / "logs" / "test" / "tier-placement.json"
+            placement = TEST_LOGS / "tier-placement.json"
             placement.write_text(json.dumps({"servers": {
                 f"local:{i}": {str(k): v for k, v in self.placement[e].items()}
                 for i, e in enumerate("ssx")}}))

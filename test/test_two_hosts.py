@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CACHE, TRAINED
+from conftest import TEST_LOGS, TRAINED
 from netns import OWNER_IP
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang through the CPU runtime
@@ -31,7 +31,7 @@ def in_host(host: str, script: str, *args: str, **popen) -> subprocess.Popen:
 def test_sglang_on_one_host_serves_with_expert_servers_and_etcd_on_another(
         two_hosts, monolithic_trained):
     expert_host, sglang_host = two_hosts
-    logs = CACHE / "logs" / "test"
+    logs = TEST_LOGS
     logs.mkdir(parents=True, exist_ok=True)
     experts = in_host(expert_host, "netns_expert_host.py", str(TRAINED), OWNER_IP, str(logs),
                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -170,16 +170,23 @@ def cached_model(cache_dir: Path, spec: ModelSpec, log=print) -> Path:
     """Path of the checkpoint for ``spec`` under ``cache_dir``, generated on first use.
 
     The folder name carries a digest of the spec; generation goes to a temporary folder that is
-    renamed at the end, so an interrupted run never leaves a half-written model behind.
+    renamed at the end, so an interrupted run never leaves a half-written model behind, and
+    under a lock on the folder's name, so processes asking at once (test workers) generate it
+    once and a model in use is never replaced.
     """
+    import fcntl
+
     digest = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir / f"{spec.arch}-{digest}"
     if not (path / "eaas_model_spec.json").exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=cache_dir))
-        make_model(tmp, spec, log=log)
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        with open(cache_dir / f".{path.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (path / "eaas_model_spec.json").exists():
+                tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=cache_dir))
+                make_model(tmp, spec, log=log)
+                shutil.rmtree(path, ignore_errors=True)  # no marker: not a whole model
+                tmp.rename(path)
     return path
 
 
