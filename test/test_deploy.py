@@ -650,7 +650,7 @@ def test_the_tools_fail_within_seconds_given_each_others_ports(pd_deployment, ca
 
 
 CHAOS_SECONDS = 90  # how long the actors change the tier at once
-NO_FAULT_SECONDS = 120  # serving under a CPU hog with no fault, before the kill
+NO_FAULT_SECONDS = 60  # serving under a CPU hog with no fault, before the kill
 
 
 class Actors:
