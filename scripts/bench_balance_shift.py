@@ -255,8 +255,13 @@ def hindsight(args, started: float, readings, bounds, holdings, slots: int, info
 
     return {"phase": mean(r for _, r in phase),
             "phase_after": mean(r for at, r in phase
-                                if any(s <= at < s + args.after_shift for s in shifts)),
+                                if after_shift(at, shifts, args.after_shift)),
             "interval": mean(own)}
+
+
+def after_shift(t: float, shifts: list[float], window: float) -> bool:
+    """Whether an interval starting at ``t`` starts within ``window`` seconds of a shift."""
+    return any(s <= t < s + window for s in shifts)
 
 
 def summarise(args, policy, loop, readings, bounds, records, seen, sent, info) -> Result:
@@ -270,7 +275,7 @@ def summarise(args, policy, loop, readings, bounds, records, seen, sent, info) -
             at.append(t0 - loop.started)
             ratios.append(float(np.nanmean(r)))
     shifts = [start for start, _ in bounds[1:]]
-    after = [r for t, r in zip(at, ratios) if any(s <= t < s + args.after_shift for s in shifts)]
+    after = [r for t, r in zip(at, ratios) if after_shift(t, shifts, args.after_shift)]
     tpots = [(times[-1] - times[0]) / (len(times) - 1) for times in loop.finished
              if len(times) > 1]
     # wall-clock (time.time) of re-placements -> the loop's perf_counter clock

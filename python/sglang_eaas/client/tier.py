@@ -401,9 +401,14 @@ class ClientTier:
             self._drop(conn, why, "result_timeout" if report else "refused")
             view = self._build()
         self.stats["failovers"] += 1
-        if report and self.backend is not None and conn.incarnation:
-            threading.Thread(target=self._report, args=(conn, why), daemon=True).start()
+        if report:
+            self._report_soon(conn, why)
         return view
+
+    def _report_soon(self, conn: ServerConnection, why: str) -> None:
+        """Tell the monitor, on a thread of its own, that ``conn``'s incarnation failed here."""
+        if self.backend is not None and conn.incarnation:
+            threading.Thread(target=self._report, args=(conn, why), daemon=True).start()
 
     def _report(self, conn: ServerConnection, why: str) -> None:
         try:
@@ -569,11 +574,9 @@ class ClientTier:
                     self._drop(conn, why, "connection_closed")
                 view = self._build()
             self.on_view(view)
-            if dead and self.backend is not None:  # etcd lists it until its lease's TTL ends
+            if dead:  # etcd lists it until its lease's TTL ends
                 for conn in closed:
-                    if conn.incarnation:
-                        threading.Thread(target=self._report, args=(conn, why),
-                                         daemon=True).start()
+                    self._report_soon(conn, why)
 
     def _rejoin_static(self) -> None:
         """Join again, once they answer, the servers given at launch that the monitor has never
