@@ -10,6 +10,7 @@ import pytest
 from conftest import greedy_tokens, resident_bytes, start_server
 
 from sglang_eaas.cpu_runtime.server_defaults import HOST_STATIC_SHARE, RUNNING_REQUESTS
+from sglang_eaas.deploy import shm
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang on the CPU runtime (no GPU)
 
@@ -38,9 +39,16 @@ def test_tp2_ep2_matches_tp1(monolithic_qwen3, tiny_qwen3):
         tokens = greedy_tokens(server)
         footprints = {"tp 1": resident_bytes(monolithic_qwen3), "tp 2": resident_bytes(server)}
         log = server.log_path.read_text()
+        in_shm = {name for process in psutil.Process(server.process.pid).children(True)
+                  for name in shm.files_in_use(process.pid)}
     finally:
         server.stop()
     assert tokens == expected
+    # SGLang leaves its load snapshots and semaphores in /dev/shm at every stop; stop() removes
+    # what its processes had there
+    assert any(n.startswith("sglang_loads_") for n in in_shm) and any(
+        n.startswith("sem.mp-") for n in in_shm), in_shm
+    assert not [name for name in in_shm if (shm.SHM_DIR / name).exists()]
     assert "ep_size': 2" in log  # the run really used expert parallelism
     pools = KV_POOL.findall(log)
     assert [int(n) for n, _, _ in pools] == [CONTEXT * RUNNING_REQUESTS] * 2  # one per rank

@@ -56,34 +56,15 @@ class Child:
         return None if self.process is None else self.process.poll()
 
     def note_tree(self) -> None:
-        """Remember the processes of its tree now (SGLang's schedulers, detokenizer...)."""
-        if self.process is None:
-            return
-        try:
-            root = psutil.Process(self.process.pid)
-            for p in (root, *root.children(recursive=True)):
-                self.seen.add((p.pid, p.create_time()))
-        except psutil.Error:
-            pass
+        """Remember every process of its tree now (checked gone at stop)."""
+        if self.process is not None:
+            shm.note_tree(self.process.pid, self.seen)
 
     def note_shm(self) -> None:
         """Remember the ``/dev/shm`` files its processes have mapped or open now (SGLang's load
-        snapshots and semaphores: names no pid or port gives; ``shm``)."""
-        if self.process is None:
-            return
-        try:
-            root = psutil.Process(self.process.pid)
-            tree = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return
-        inodes: set[int] = set()
-        for p in tree:
-            try:
-                self.seen.add((p.pid, p.create_time()))
-            except psutil.Error:
-                continue
-            inodes |= shm.inodes_used_by(p.pid)
-        self.shm_files.update(shm.names_of(inodes))
+        snapshots and semaphores: names no pid or port gives; ``shm``), and the processes."""
+        if self.process is not None:
+            shm.note_tree(self.process.pid, self.seen, self.shm_files)
 
     def log_tail(self, lines: int = 8) -> str:
         try:

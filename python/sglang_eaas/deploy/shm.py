@@ -35,6 +35,8 @@ import re
 from pathlib import Path
 from typing import Iterable
 
+import psutil
+
 SHM_DIR = Path("/dev/shm")
 PROC = Path("/proc")
 # names carrying their creator's pid: ibgda regions, SGLang's make_shm_name, multi-tokenizer args
@@ -97,6 +99,28 @@ def inodes_in_use(shm_dir: Path = SHM_DIR) -> set[int]:
         if entry.isdigit():
             used |= inodes_used_by(int(entry), shm_dir)
     return used
+
+
+def note_tree(pid: int, seen: set[tuple[int, float]], files: dict[str, int] | None = None,
+              shm_dir: Path = SHM_DIR) -> None:
+    """Add process ``pid`` and its descendants now to ``seen`` ((pid, create time)); with
+    ``files``, also the files in ``shm_dir`` they have mapped or open now (name -> inode): what
+    ``remove_left`` takes once the tree has ended."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    inodes: set[int] = set()
+    for p in tree:
+        try:
+            seen.add((p.pid, p.create_time()))
+        except psutil.Error:
+            continue
+        if files is not None:
+            inodes |= inodes_used_by(p.pid, shm_dir)
+    if files is not None:
+        files.update(names_of(inodes, shm_dir))
 
 
 def pid_stamp(name: str) -> int | None:

@@ -1,7 +1,8 @@
 """Run ``python -m sglang.launch_server`` as a child process and talk to it over HTTP.
 
 Used by the demo, the tests and the benchmarks: start on a free loopback port, wait until
-``/health_generate`` answers, send requests, stop the whole process group cleanly.
+``/health_generate`` answers, send requests, stop the whole process group cleanly, and remove
+the files its processes left in ``/dev/shm`` (SGLang leaves some at every stop; ``deploy.shm``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 import requests
 
 from sglang_eaas.addresses import free_port
+from sglang_eaas.deploy import shm
+from sglang_eaas.deploy.processes import alive
 
 
 # What the CPU tests and the demo pass on top of the user's arguments. The CPU runtime supplies
@@ -48,6 +51,8 @@ class SGLangServer:
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen | None = None
+        self._seen: set[tuple[int, float]] = set()  # its processes: (pid, create time)
+        self._shm_files: dict[str, int] = {}  # what they had in /dev/shm: name -> inode
         self._pick_port()
 
     def _pick_port(self) -> None:
@@ -85,6 +90,7 @@ class SGLangServer:
                     f"server exited with code {self.process.returncode}\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.url}/health_generate", timeout=5).status_code == 200:
+                    shm.note_tree(self.process.pid, self._seen, self._shm_files)
                     return True
             except requests.RequestException:
                 pass
@@ -128,18 +134,33 @@ class SGLangServer:
         return response.json()
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM the process group, SIGKILL after ``timeout``; returns the exit code."""
+        """SIGTERM the process group, SIGKILL after ``timeout``; then remove the ``/dev/shm``
+        files its processes had in use that they left. Returns the exit code."""
         if self.process is None or self.process.poll() is not None:
             return None if self.process is None else self.process.returncode
+        shm.note_tree(self.process.pid, self._seen, self._shm_files)
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
-            return self.process.wait(timeout)
+            code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
-            return self.process.wait()
+            code = self.process.wait()
+        self._remove_left()
+        return code
+
+    def _remove_left(self) -> None:
+        """Once its group has ended (SGLang kills its own children; a moment for them to go),
+        the /dev/shm files they left."""
+        deadline = time.monotonic() + 10
+        while any(alive(pid, created) for pid, created in self._seen):
+            if time.monotonic() > deadline:
+                return  # still running: their files may be in use; left for whoever ends them
+            time.sleep(0.1)
+        shm.remove_left(self._shm_files, self._seen)
 
     def __enter__(self) -> "SGLangServer":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
