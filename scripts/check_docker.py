@@ -1,7 +1,8 @@
 """Check the images' Dockerfiles without Docker (docs/deployment.md, "Images"): hadolint on both,
 then the CPU image's RUN steps run by its SHELL, in order, in a scratch copy of what its COPYs
 copy, with its WORKDIR, ENV and build arguments, as this machine's user and with HOME in the
-scratch folder, so the venv they make there is a clean one.
+scratch folder, so the venv they make there is a clean one (pip keeps this machine's settings:
+where it finds packages).
 
     python scripts/check_docker.py [--lint-only] [--dry-run] [--root-steps]
                                    [--build-arg NAME=VALUE ...] [--scratch DIR] [--keep]
@@ -51,6 +52,20 @@ def expand(text: str, values: dict[str, str]) -> str:
     return re.sub(r"\$\{?(\w+)\}?", lambda m: values.get(m.group(1), ""), text)
 
 
+def pip_settings() -> dict[str, str]:
+    """This machine's pip settings (its ``PIP_*`` variables, and its user's pip.conf, which a
+    HOME in the scratch folder would hide): where pip finds packages stands for the network the
+    image is built on (on the project's machines, torch's CPU build is found only through them)."""
+    settings = {name: value for name, value in os.environ.items() if name.startswith("PIP_")}
+    if "PIP_CONFIG_FILE" not in settings:
+        home = Path.home()
+        for config in (home / ".config" / "pip" / "pip.conf", home / ".pip" / "pip.conf"):
+            if config.is_file():
+                settings["PIP_CONFIG_FILE"] = str(config)
+                break
+    return settings
+
+
 class Image:
     """The image's filesystem laid out under ``rootfs``: absolute paths the Dockerfile names
     (its WORKDIRs) are taken there."""
@@ -58,7 +73,8 @@ class Image:
     def __init__(self, rootfs: Path, build_args: dict[str, str]):
         self.rootfs = rootfs
         self.cwd = rootfs
-        self.env = {"PATH": os.environ["PATH"], "HOME": str(rootfs / "home"), "LANG": "C.UTF-8"}
+        self.env = {"PATH": os.environ["PATH"], "HOME": str(rootfs / "home"), "LANG": "C.UTF-8",
+                    **pip_settings()}
         self.build_args = build_args
         self.declared: dict[str, str] = {}  # the stage's ARGs, which RUN sees as variables
         self.shell = ["/bin/sh", "-c"]

@@ -88,8 +88,17 @@ pip_install() {
 }
 pip_install --upgrade pip
 if [[ $mode == cpu ]]; then
+  # torch==2.13.0 on PyPI alone is the CUDA build (several GB); PyTorch's CPU index is searched
+  # too when it can be reached (SGLANG_EAAS_TORCH_INDEX; empty: pip's own indexes only, as on
+  # machines whose pip is set up to find the CPU build).
+  torch_index="${SGLANG_EAAS_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+  if [[ -n $torch_index ]] && ! "$venv/bin/python" -c "import socket, sys, urllib.parse
+socket.getaddrinfo(urllib.parse.urlsplit(sys.argv[1]).hostname, 443)" "$torch_index" 2>/dev/null; then
+    step "PyTorch's CPU index ($torch_index) cannot be reached; torch from pip's own indexes"
+    torch_index=""
+  fi
   step "[1/7] torch 2.13.0 (CPU build)"
-  pip_install "torch==2.13.0"
+  pip_install ${torch_index:+--extra-index-url "$torch_index"} "torch==2.13.0"
   step "[2/7] sglang 0.5.23 without its CUDA kernel dependencies"
   pip_install --no-deps "sglang==0.5.23"
   step "[3/7] SGLang's pure-Python runtime dependencies and triton (requirements/sglang-cpu.txt)"

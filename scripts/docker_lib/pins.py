@@ -38,7 +38,7 @@ def sglang_version() -> str:
 def torch_version() -> str:
     """The torch release scripts/setup.sh installs on a machine with no GPU."""
     setup_sh = (ROOT / "scripts" / "setup.sh").read_text()
-    (version,) = re.findall(r'pip_install "torch==([^"]+)"', setup_sh)
+    (version,) = re.findall(r'pip_install [^\n]*"torch==([^"]+)"', setup_sh)
     return version
 
 

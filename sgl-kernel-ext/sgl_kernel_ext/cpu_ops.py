@@ -42,7 +42,9 @@ SOURCES = (CSRC / "grouped_expert.cpp", CSRC / "esft_reroute.cpp", CSRC / "deal_
 # library then needs libgomp.so.1, which is torch's own (loaded with torch, under that name).
 # -ffp-contract=off: expert_sum's weighted sum multiplies, then adds (as torch's mul and sum
 # do), never a fused multiply-add the compiler would make of the two.
-CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off")
+# No -std: torch's extension tooling passes the standard its headers need (C++20 since 2.13;
+# a later -std=c++17 here would override it, and torch 2.14's headers refuse C++17).
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
