@@ -316,8 +316,9 @@ def identical(results: list[Result]) -> tuple[int, int]:
     return sum(len(v) == 1 for v in merged.values()), len(merged)
 
 
-def report(args, info, experts, slots, results: list[Result], wall: float) -> Report:
-    out = Report(args.out)
+def report(out: Report, args, info, experts, slots, results: list[Result]) -> Report:
+    """The results' sections added to ``out`` (made at the start: its header's load average
+    and its run time are the whole run's)."""
     phases = ", ".join(f"`{m}` {s:g} s" for m, s in args.phases)
     out.add(
         f"Checkpoint `{args.model.name}` ({len(info.moe_layers)} MoE layers x "
@@ -393,7 +394,6 @@ def report(args, info, experts, slots, results: list[Result], wall: float) -> Re
                 + (f"> {GOAL_RATIO}: the ratio goal is out of reach of any placement on this "
                    "traffic here." if floor > GOAL_RATIO else f"<= {GOAL_RATIO}: the goal is "
                    "reachable by placement alone; what predictive misses is lag or planning."))
-    verdict.append(f"Run time: {wall:.0f} s.")
     out.add("\n\n".join(verdict))
     return out
 
@@ -411,7 +411,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     experts, slots = contiguous(info.num_experts, args.servers, args.extra_replicas)
-    began, results = time.monotonic(), []
+    out, results = Report(args.out), []
     for run in range(1, args.runs + 1):
         order = args.policies if run % 2 else list(reversed(args.policies))
         for policy in order:
@@ -424,7 +424,7 @@ def main() -> int:
             r = results[-1]
             say(f"  {policy}: busiest/mean {r.ratio:.3f} (after shifts {r.after:.3f}), "
                 f"{r.replacements} re-placements, {r.failed} failed of {r.requests}")
-    report(args, info, experts, slots, results, time.monotonic() - began).save()
+    report(out, args, info, experts, slots, results).save()
     return 0
 
 
