@@ -180,6 +180,23 @@ def test_a_plan_over_budget_keeps_the_layers_that_gain_most():
     assert within_budget(made, 10 ** 6) is made
 
 
+def test_no_re_placement_when_what_gains_is_over_budget():
+    """A plan whose every gaining layer adds more replicas than the budget is not acted on
+    (cut to the budget, it would move nothing and gain nothing)."""
+    contiguous = Holdings.uniform({s: range(4 * i, 4 * i + 4) for i, s in enumerate(SERVERS)},
+                                  LAYERS)
+    made = plan(contiguous, mix(0) * 1000, LAYERS, SLOTS)
+    adds = [sum(len(m.adds) for m in made.moves if m.layer == layer) for layer in LAYERS]
+    assert max(made.before) - max(made.after) > 0.5 and min(adds) > 4, adds
+    policy = BalancePolicy(BalanceSettings("predictive", budget=2), LAYERS)
+    acts, _ = run(policy, [mix(0)] * 10, contiguous, np.random.default_rng(3))
+    assert acts == [] and policy.looks[-1].why.startswith(
+        "no plan within the budget of 2 added replicas"), policy.looks[-1]
+    policy = BalancePolicy(BalanceSettings("predictive", budget=max(adds) + 4), LAYERS)
+    acts, _ = run(policy, [mix(0)] * 10, contiguous, np.random.default_rng(3))
+    assert acts  # with room for a layer's replicas it acts
+
+
 def test_a_complete_step_ends_the_requests_it_does_not_hold():
     import torch
 

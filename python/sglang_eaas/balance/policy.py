@@ -118,6 +118,10 @@ class BalancePolicy:
                                      f"looks ago gives {held:.2f}x now: the load is still "
                                      "moving"))
         chosen = within_budget(made, s.budget)
+        if worst - max(chosen.after) < s.gain:  # no layer that gains fits the budget
+            return self._record(Look(now, worst, max(chosen.after), False, "no plan within "
+                                     f"the budget of {s.budget} added replicas gains "
+                                     f"{s.gain:.2f} ({worst:.2f}x -> {planned:.2f}x needs more)"))
         adds = sum(len(m.adds) for m in chosen.moves)
         look, _ = self._record(Look(now, worst, max(chosen.after), True,
                                     f"{worst:.2f}x -> {max(chosen.after):.2f}x", adds))
