@@ -417,7 +417,7 @@ def test_the_shm_files_a_part_had_in_use_are_removed_after_it_ends(tmp_path):
     /proc while it ran) are removed once it has ended, as are pid-stamped files of its pid;
     a file another live process uses, a file replaced since, a file of another pid and any
     other file are left."""
-    from sglang_eaas.deploy import shm
+    from sglang_eaas import shm_files as shm
 
     folder = tmp_path / "shm"
     folder.mkdir()
@@ -462,7 +462,7 @@ def test_a_spawn_contexts_semaphore_is_found_under_its_name():
     /dev/shm, is found under its sem.mp-* name though the process maps it as another."""
     import multiprocessing
 
-    from sglang_eaas.deploy import shm
+    from sglang_eaas import shm_files as shm
 
     lock = multiprocessing.get_context("spawn").Lock()
     name = "sem." + lock._semlock.name.lstrip("/")
@@ -487,7 +487,7 @@ def test_what_sglang_leaves_in_dev_shm_is_found_and_removed_after_a_sigkill():
     """SGLang's own load-snapshot writer and a spawn context's semaphore, in a process group
     then SIGKILLed as SGLang ends its processes: both files are left in /dev/shm, found from the
     process while it ran, and removed after it ended."""
-    from sglang_eaas.deploy import shm
+    from sglang_eaas import shm_files as shm
 
     process = subprocess.Popen([sys.executable, "-c", SGLANG_LIKE], stdout=subprocess.PIPE,
                                text=True, start_new_session=True)
@@ -510,7 +510,7 @@ def test_what_sglang_leaves_in_dev_shm_is_found_and_removed_after_a_sigkill():
 def test_pid_stamped_names_are_read_as_their_makers_write_them():
     from sglang.srt.utils.stale_shm_cleanup import make_shm_name
 
-    from sglang_eaas.deploy.shm import pid_stamp
+    from sglang_eaas.shm_files import pid_stamp
 
     assert pid_stamp(make_shm_name("mq")) == os.getpid()
     assert pid_stamp(f"multi_tokenizer_args_{os.getpid()}") == os.getpid()

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "python" / "sglang_eaas"
 LAYERS = (
     # records, parsing and the machine: nothing of the project's below them
     {"envs", "addresses", "holdings", "model_info", "corpus", "training", "transports", "dealing",
-     "request_checks", "refusal", "benchmark_plugins"},
+     "request_checks", "refusal", "benchmark_plugins", "shm_files"},
     # wire records (protocol/), placement files, stock SGLang on a CPU
     {"placement", "checkpoint", "protocol", "cpu_runtime", "slices"},
     {"routing_table", "endpoint"},

@@ -10,7 +10,7 @@ import pytest
 from conftest import greedy_tokens, resident_bytes, start_server
 
 from sglang_eaas.cpu_runtime.server_defaults import HOST_STATIC_SHARE, RUNNING_REQUESTS
-from sglang_eaas.deploy import shm
+from sglang_eaas import shm_files as shm
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang on the CPU runtime (no GPU)
 

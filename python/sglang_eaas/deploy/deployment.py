@@ -7,8 +7,8 @@ each answers ``/health_generate``) -> the router (until ``/health`` answers and 
 on any failure while starting: router -> SGLang instances -> expert servers -> monitor, each
 stage SIGTERMed as process groups and SIGKILLed after a grace period, until none of their
 processes is left; then the ``/dev/shm`` files its processes had in use and left behind
-(SGLang's load snapshots and ``multiprocessing`` semaphores, ``shm``) are removed. Before anything
-starts, every port the config fixes is checked free (``ports``).
+(SGLang's load snapshots and ``multiprocessing`` semaphores, ``shm_files``) are removed. Before
+anything starts, every port the config fixes is checked free (``ports``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Callable
 from ibgda import TransportError
 from sglang_eaas import envs
 from sglang_eaas.controller.end_state import read_end_state
-from sglang_eaas.deploy import parts, ports, ready, shm
+from sglang_eaas import shm_files as shm
+from sglang_eaas.deploy import parts, ports, ready
 from sglang_eaas.deploy.config import ETCD, DeployConfig
 from sglang_eaas.deploy.processes import Child, stop_together
 from sglang_eaas.model_info import MoeModelInfo

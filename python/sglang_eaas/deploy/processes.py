@@ -19,7 +19,8 @@ from pathlib import Path
 
 import psutil
 
-from sglang_eaas.deploy import shm
+from sglang_eaas import shm_files as shm
+from sglang_eaas.shm_files import alive
 from sglang_eaas.launcher.local_servers import die_with_parent
 
 
@@ -151,12 +152,3 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
-
-
-def alive(pid: int, created: float) -> bool:
-    """Whether this very process (not a later one with its pid) is alive and not a zombie."""
-    try:
-        p = psutil.Process(pid)
-        return p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

@@ -2,7 +2,7 @@
 
 Used by the demo, the tests and the benchmarks: start on a free loopback port, wait until
 ``/health_generate`` answers, send requests, stop the whole process group cleanly, and remove
-the files its processes left in ``/dev/shm`` (SGLang leaves some at every stop; ``deploy.shm``).
+the files its processes left in ``/dev/shm`` (SGLang leaves some at every stop; ``shm_files``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import requests
 
 from sglang_eaas.addresses import free_port
-from sglang_eaas.deploy import shm
-from sglang_eaas.deploy.processes import alive
+from sglang_eaas import shm_files as shm
+from sglang_eaas.shm_files import alive
 
 
 # What the CPU tests and the demo pass on top of the user's arguments. The CPU runtime supplies

@@ -1,4 +1,5 @@
-"""The shared-memory files a deployment's parts leave in ``/dev/shm``, found and removed at stop.
+"""The shared-memory files a process tree (a deployment's part, a test's SGLang) leaves in
+``/dev/shm``, found and removed once it has ended.
 
 SGLang 0.5.23 leaves two kinds there when it is stopped, whatever the signal:
 
@@ -121,6 +122,15 @@ def note_tree(pid: int, seen: set[tuple[int, float]], files: dict[str, int] | No
             inodes |= inodes_used_by(p.pid, shm_dir)
     if files is not None:
         files.update(names_of(inodes, shm_dir))
+
+
+def alive(pid: int, created: float) -> bool:
+    """Whether this very process (not a later one with its pid) is alive and not a zombie."""
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def pid_stamp(name: str) -> int | None:
