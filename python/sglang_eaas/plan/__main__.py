@@ -74,8 +74,15 @@ def failure(text: str) -> Failure:
                                      f"AT:monitor:SECONDS (seconds), got {text!r}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one sentence on stderr and exit status 2 (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sglang_eaas.plan", description=DESCRIPTION,
+    p = _Parser(prog="python -m sglang_eaas.plan", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     need = p.add_argument_group("what to plan for")
     need.add_argument("--model", required=True, metavar="CONFIG.json",

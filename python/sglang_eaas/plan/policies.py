@@ -163,7 +163,7 @@ class LayoutLoop:
         self.chooser.cost = profile_layer_cost(sim.model, sim.profile, self.chooser.parts)
         decision = self.chooser.window(window)
         self.calls.append(Call(sim.now, "window", (window, self.chooser.parts,
-                                                   self.chooser.placement),
+                                                   self.chooser.placement, self.chooser.cost),
                                None if decision is None else decision.to))
         if decision is None:
             return

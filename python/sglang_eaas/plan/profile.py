@@ -97,8 +97,11 @@ def load_profile(path: str | Path) -> HardwareProfile:
 def parse_profile(data: Any, where: str = "<profile>") -> HardwareProfile:
     top = _mapping(where, data)
     device = _mapping(f"{where}: device", top.get("device"))
-    fabric = _mapping(f"{where}: fabric", top.get("fabric"))
     flops = _mapping(f"{where}: device.flops", device.get("flops"))
+    made = Device(_positive(where, "device.memory_bandwidth", device.get("memory_bandwidth")),
+                  {str(k): _positive(where, f"device.flops.{k}", v) for k, v in flops.items()},
+                  _positive(where, "device.memory", device.get("memory")))
+    fabric = _mapping(f"{where}: fabric", top.get("fabric"))
     links = {}
     for name in ("intra_node", "inter_node"):
         link = _mapping(f"{where}: fabric.{name}", fabric.get(name))
@@ -113,10 +116,7 @@ def parse_profile(data: Any, where: str = "<profile>") -> HardwareProfile:
                "price": str(top.get("price_source", "not stated"))}
     return HardwareProfile(
         str(top.get("name", Path(where).stem)),
-        Device(_positive(where, "device.memory_bandwidth", device.get("memory_bandwidth")),
-               {str(k): _positive(where, f"device.flops.{k}", v) for k, v in flops.items()},
-               _positive(where, "device.memory", device.get("memory"))),
-        links["intra_node"], links["inter_node"], gpus,
+        made, links["intra_node"], links["inter_node"], gpus,
         _positive(where, "price_per_gpu_hour", top.get("price_per_gpu_hour")), sources,
         _flag(where, "fabric.serial_messages", fabric.get("serial_messages", False)))
 

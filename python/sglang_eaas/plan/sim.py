@@ -58,7 +58,7 @@ class SimSettings:
     switch_s: float = 10.0  # an EP <-> TP switch takes this long
     timeout_s: float = 60.0  # a request stalled this long after the stall began fails
     until: float | None = None  # stop at this time (default: when every request is done)
-    bucket: float = 0.01  # step costs are cached per token count rounded to this share
+    bucket: float = 0.01  # step costs are cached per token count rounded to this share (0: exact)
 
 
 class Controller(Protocol):
@@ -279,7 +279,7 @@ class Simulator:
         return total, busy
 
     def _bucket(self, entries: float) -> float:
-        if entries <= 1:
+        if entries <= 1 or self.settings.bucket <= 0:
             return entries
         step = math.log1p(self.settings.bucket)
         return math.exp(round(math.log(entries) / step) * step)
