@@ -349,7 +349,7 @@ def _with(flag: str, value: str) -> list[str]:
     (_with("--layouts", "ring"), "--layouts"),
     (_with("--prompt-dist", "uniform"), "--prompt-dist"),
     (_with("--attainment", "2"), "--attainment"),
-    (_with("--expert-servers", "64"), "--expert-servers"),
+    (_with("--sim-layers", "0"), "--sim-layers"),
 ])
 def test_bad_input_is_refused_in_one_sentence_with_exit_2(argv, says, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -18,7 +18,8 @@ class Deployment:
     standby: int = 0  # warm servers holding nothing, taken first when a server is lost
     overlap: bool = False  # two micro-batches, one's communication under the other's compute
     max_running: int = 256  # requests one attention instance decodes at once, at most
-    prefill_budget: int = 8192  # prompt tokens one attention instance prefills per step
+    prefill_budget: int = 2048  # prompt tokens one attention instance prefills per step (a
+    #   prompt longer than that is prefilled whole, in a step of its own)
 
     def __post_init__(self) -> None:
         if min(self.attention, self.expert_servers, self.attention_gpus, self.max_running,

@@ -71,7 +71,7 @@ def deploy_config(dep: Deployment, model: ModelSpec, placement: Path | None) -> 
     """The ``python -m sglang_eaas.deploy`` config of ``dep`` (plain instances, a standalone
     monitor, local expert servers)."""
     experts: dict = {"count": dep.expert_servers} if placement is None else {
-        "placement": str(placement)}
+        "placement": str(placement)}  # hot replicas, or more servers than experts
     if dep.standby:
         experts["standby"] = dep.standby
     args = []
@@ -113,7 +113,7 @@ def write_outputs(out: Path, chosen: Candidate, model: ModelSpec, load: ExpertLo
     out.mkdir(parents=True, exist_ok=True)
     dep, written = chosen.deployment, {}
     placement = None
-    if dep.hot_replicas:
+    if dep.hot_replicas or dep.expert_servers > model.info.num_experts:
         placement = (out / "placement.yaml").resolve()
         placement.write_text(header + yaml.safe_dump(placement_file(dep, model, load),
                                                      default_flow_style=None))

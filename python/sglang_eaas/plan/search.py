@@ -100,7 +100,7 @@ def shapes(space: Space, num_experts: int) -> list[dict]:
     for layout, overlap, hot, standby, gpus in itertools.product(
             space.layouts, space.overlap, space.hot_replicas, space.standby,
             space.attention_gpus):
-        if layout == TP and hot:
+        if layout == TP and hot:  # TP holds a part of every expert already
             continue
         out.append(dict(layout=layout, overlap=overlap, hot_replicas=min(hot, num_experts),
                         standby=standby, attention_gpus=gpus, max_running=space.max_running))
@@ -114,10 +114,7 @@ def search(space: Space, model: ModelSpec, profile: HardwareProfile, load: Exper
     """Every candidate simulated, in the order simulated."""
     seen: dict[Deployment, Candidate] = {}
     attention = sorted(set(space.attention))
-    servers = [s for s in sorted(set(space.expert_servers)) if s <= model.info.num_experts]
-    if not servers:
-        raise PlanInputError(f"--expert-servers: every count is above the model's "
-                             f"{model.info.num_experts} experts (a server would hold none)")
+    servers = sorted(set(space.expert_servers))
     tiers = shapes(space, model.info.num_experts)
     total = len(tiers) * len(servers)
 

@@ -25,11 +25,18 @@ class Phase:
 
 
 def hot_placement(shares: np.ndarray, servers: list[str], hot: int) -> dict[str, list[int]]:
-    """Even contiguous blocks, then one more copy of each of the ``hot`` hottest experts (by
-    ``shares``, one layer) on the server with the least load that does not hold it yet."""
-    blocks = even_placement(len(shares), len(servers))
+    """Even contiguous blocks (more servers than experts: one expert each, then copies of the
+    hottest), then one more copy of each of the ``hot`` hottest experts (by ``shares``, one
+    layer) on the server with the least load that does not hold it yet."""
+    num = len(shares)
+    if len(servers) > num:  # one expert each, then copies of the hottest on the servers left
+        order = np.argsort(-shares, kind="stable")
+        blocks = [[e] for e in range(num)] + [[int(order[i % num])]
+                                               for i in range(len(servers) - num)]
+    else:
+        blocks = even_placement(num, len(servers))
     held = {s: list(b) for s, b in zip(servers, blocks)}
-    copies = np.ones(len(shares))
+    copies = np.bincount([e for b in blocks for e in b], minlength=num).astype(float)
     for e in np.argsort(-shares, kind="stable")[:hot]:
         load = {s: sum(shares[x] / copies[x] for x in ids) for s, ids in held.items()}
         free = [s for s in servers if e not in held[s]]
