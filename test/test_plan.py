@@ -188,6 +188,9 @@ def test_without_a_replica_serving_stalls_until_the_standby_joins(tmp_path):
     r = simulate(Deployment(1, 2, standby=1), model, profile, uniform(), traffic,
                  settings=settings, failures=(Failure(5.0),))
     assert "5.0s: an expert has no live holder: serving stalls" in r.log
+    # 1 attention + 2 servers + the standby paid, then from the loss one server fewer (the
+    # standby taking its place is paid while it joins)
+    assert r.gpu_hours_until(20.0) == pytest.approx((4 * 5.0 + 3 * 15.0) / 3600)
     assert "35.0s: every expert held again after 30.0s" in r.log
     # the request that came during the stall got its first token only after the join
     assert 35.0 - 6.0 < r.ttft[1] < 35.0 - 6.0 + 1.0

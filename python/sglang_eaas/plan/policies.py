@@ -93,8 +93,8 @@ class BalanceLoop:
         pass
 
     def act(self, sim) -> None:
-        if sim.tier.layout != EP:
-            return
+        if sim.tier.layout != EP or not sim.tier.covered():
+            return  # a TP tier, or experts with no holder: nothing the placer can start from
         tokens, _ = sim.tokens_since(sim.now - self.settings.horizon)
         estimate = np.rint(sim.load.counts(tokens * sim.model.info.top_k)).astype(np.int64)
         current = sim.tier.holdings

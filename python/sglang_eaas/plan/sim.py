@@ -79,6 +79,7 @@ class Result:
     end: float
     steps: int
     log: list[str] = field(default_factory=list)
+    paid: list[tuple[float, int]] = field(default_factory=list)  # (from, devices) changes
 
     def attainment(self, ttft: float, tpot: float) -> float:
         """Share of all requests served within both targets (failed and unserved: missed)."""
@@ -91,6 +92,12 @@ class Result:
     @property
     def gpu_hours(self) -> float:
         return self.gpu_seconds / 3600
+
+    def gpu_hours_until(self, t: float) -> float:
+        """Device-hours paid from the start until ``t``."""
+        ends = [at for at, _ in self.paid[1:]] + [max(t, self.end)]
+        return sum(n * max(min(end, t) - at, 0.0)
+                   for (at, n), end in zip(self.paid, ends)) / 3600
 
 
 class Simulator:
@@ -119,7 +126,10 @@ class Simulator:
         self._monitor_back = -math.inf  # the monitor is out until then
         self._changing = False  # a change of holdings is under way
         self._pending = 0  # devices paid for, joining
+        self._joining = 0  # lost servers' replacements still to join
+        self._failures = 0  # server losses so far (a change that saw one fails)
         self._paid_since, self._gpu_seconds = 0.0, 0.0
+        self._paid: list[tuple[float, int]] = []  # (from, devices paid) at each change
         self._busy = 0.0  # the expert servers' busy seconds (mean over servers), cumulated
         self._busy_mark = (0.0, 0.0)
         self._tokens = collections.deque()  # (time, tokens) of recent steps
@@ -135,6 +145,7 @@ class Simulator:
         for c in controllers:
             c.attach(self)
             self._push(c.period, TICK, c)
+        self._paid.append((0.0, self._devices()))
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> Result:
@@ -146,11 +157,12 @@ class Simulator:
             self._pay(t)
             self.now = t
             self._handle(kind, data)
+            self._mark()
             if not self._stepping and self._work_left() and self.tier.covered():
                 self._start_step()
         self._pay(self.now)
         return Result(self.dep, self.ttft, self.tpot, self.failed, self._gpu_seconds, self.now,
-                      self._step, self.log)
+                      self._step, self.log, self._paid)
 
     def _handle(self, kind: int, data) -> None:
         if kind == ARRIVE:
@@ -162,10 +174,14 @@ class Simulator:
         elif kind == JOIN:
             self._join(*data)
         elif kind == APPLY:
-            holdings, layout, added, done = data
-            self.tier.set(holdings, layout)
+            holdings, layout, added, done, failures = data
             self._pending -= added
             self._changing = False
+            if failures != self._failures:  # a server was lost meanwhile: the operation
+                self.log.append(f"{self.now:.1f}s: a change of holdings failed: a server was "
+                                "lost while it ran")  # fails; what it added is let go
+                return
+            self.tier.set(holdings, layout)
             if done is not None:
                 done()
         elif kind == TICK:
@@ -315,7 +331,9 @@ class Simulator:
             lost = [s for s in servers if self.tier.node(s) == node]
         else:
             lost = servers[:f.servers]
+        self._failures += 1
         for s in lost:
+            self._joining += 1
             held = self.tier.holdings[s]
             self.tier.lose(s)
             standby = bool(self.tier.standby)
@@ -332,6 +350,7 @@ class Simulator:
             return
         self.tier.join(server, held)
         self._pending -= 1
+        self._joining -= 1
         self.log.append(f"{self.now:.1f}s: {server} joined in place of a lost server")
 
     def _timeout(self, since: float) -> None:
@@ -352,16 +371,22 @@ class Simulator:
                done: Callable[[], None] | None = None, added: int = 0) -> bool:
         """A change of holdings taking effect after ``delay``; False (nothing done) while the
         monitor is out or another change is under way."""
-        if not self.monitor_up() or self._changing:
+        if not self._can_change():
             return False
         self._changing = True
         self._pending += added
-        self._push(self.now + delay, APPLY, (holdings, layout, added, done))
+        self._push(self.now + delay, APPLY, (holdings, layout, added, done, self._failures))
         return True
+
+    def _can_change(self) -> bool:
+        """One operation at a time, with the monitor up, on a tier whose every expert has a
+        live holder and no lost server's replacement still joining."""
+        return (self.monitor_up() and not self._changing and not self._joining
+                and self.tier.covered())
 
     def resize(self, count: int, done: Callable[[], None] | None = None) -> bool:
         """The tier to ``count`` active servers (new ones from standby first)."""
-        if not self.monitor_up() or self._changing:
+        if not self._can_change():
             return False
         current = len(self.tier.holdings)
         warm = len(self.tier.standby) >= count - current
@@ -387,10 +412,20 @@ class Simulator:
         return float(sum(t for _, t in self._tokens)), len(self._tokens)
 
     def _pay(self, t: float) -> None:
-        paid = (self.dep.attention * self.dep.attention_gpus + len(self.tier.holdings)
-                + len(self.tier.standby) + self._pending)
+        """The devices paid since the last event, until ``t``."""
+        paid = self._paid[-1][1]
         self._gpu_seconds += paid * max(t - self._paid_since, 0.0)
         self._paid_since = max(t, self._paid_since)
+
+    def _devices(self) -> int:
+        return (self.dep.attention * self.dep.attention_gpus + len(self.tier.holdings)
+                + len(self.tier.standby) + self._pending)
+
+    def _mark(self) -> None:
+        """After an event: the devices paid from now on, where they changed."""
+        paid = self._devices()
+        if not self._paid or self._paid[-1][1] != paid:
+            self._paid.append((self.now, paid))
 
 
 def simulate(deployment: Deployment, model: ModelSpec, profile: HardwareProfile,

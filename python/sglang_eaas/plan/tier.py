@@ -25,26 +25,36 @@ class Phase:
 
 
 def hot_placement(shares: np.ndarray, servers: list[str], hot: int) -> dict[str, list[int]]:
-    """Even contiguous blocks (more servers than experts: one expert each, then copies of the
-    hottest), then one more copy of each of the ``hot`` hottest experts (by ``shares``, one
-    layer) on the server with the least load that does not hold it yet."""
+    """Even contiguous blocks, then ``hot`` more copies, each of the expert with the most
+    load per copy (by ``shares``, one layer), on the least-loaded server that does not hold
+    it yet. More servers than experts: one expert each, then one more copy per server left,
+    chosen the same way, before the ``hot`` ones."""
     num = len(shares)
-    if len(servers) > num:  # one expert each, then copies of the hottest on the servers left
-        order = np.argsort(-shares, kind="stable")
-        blocks = [[e] for e in range(num)] + [[int(order[i % num])]
-                                               for i in range(len(servers) - num)]
+    copies = np.zeros(num)
+    if len(servers) > num:
+        blocks = [[e] for e in range(num)]
+        copies += 1
+        for _ in range(len(servers) - num):
+            e = int(np.argmax(shares / copies))
+            blocks.append([e])
+            copies[e] += 1
     else:
         blocks = even_placement(num, len(servers))
+        copies += 1
     held = {s: list(b) for s, b in zip(servers, blocks)}
-    copies = np.bincount([e for b in blocks for e in b], minlength=num).astype(float)
-    for e in np.argsort(-shares, kind="stable")[:hot]:
-        load = {s: sum(shares[x] / copies[x] for x in ids) for s, ids in held.items()}
-        free = [s for s in servers if e not in held[s]]
-        if not free:
-            continue
+    load = {s: sum(shares[x] / copies[x] for x in ids) for s, ids in held.items()}
+    for _ in range(hot):
+        wanted = sorted(range(num), key=lambda x: (-shares[x] / copies[x], x))
+        for e in wanted:
+            free = [s for s in servers if e not in held[s]]
+            if free:
+                break
+        else:
+            break
         target = min(free, key=lambda s: (load[s], servers.index(s)))
-        held[target].append(int(e))
+        held[target].append(e)
         copies[e] += 1
+        load = {s: sum(shares[x] / copies[x] for x in ids) for s, ids in held.items()}
     return {s: sorted(ids) for s, ids in held.items()}
 
 
@@ -68,6 +78,7 @@ class Tier:
         self._tp_parts = len(servers)  # TP: the parts every expert is cut into
         self.epoch = 0
         self._phase_cache: dict = {}
+        self._covered = (-1, False)  # (epoch, covered then)
 
     def _new_id(self) -> str:
         slot, self._next_slot = self._next_slot, self._next_slot + 1
@@ -105,10 +116,13 @@ class Tier:
 
     def covered(self) -> bool:
         """Every expert of every simulated layer has a holder (TP: every part is up)."""
-        if self.layout == TP:
-            return len(self.holdings) == self._tp_parts
-        num = self.shares.shape[1]
-        return all(len(self.holdings.holders(layer)) == num for layer in self.layers)
+        if self._covered[0] != self.epoch:
+            num = self.shares.shape[1]
+            self._covered = (self.epoch, len(self.holdings) == self._tp_parts
+                             if self.layout == TP else
+                             all(len(self.holdings.holders(layer)) == num
+                                 for layer in self.layers))
+        return self._covered[1]
 
     def lose(self, server: str) -> None:
         """A server gone: what it held is gone with it (TP: its part of every expert)."""
@@ -146,16 +160,26 @@ class Tier:
             parts = max(self._tp_parts, 1)
             t = float(expert_costs(counts, self.model, device, 1.0 / parts).sum())
             return Phase(np.full(len(servers), t), np.full(len(servers), entries))
-        layer = self.layers[row]
-        held = np.zeros((len(servers), len(counts)))
-        for i, s in enumerate(servers):
-            held[i, list(self.holdings[s].get(layer, ()))] = 1.0
+        held = self._held(row)
         copies = held.sum(axis=0)
         share = np.where(copies > 0, counts / np.maximum(copies, 1), 0.0)
         return Phase(held @ expert_costs(share, self.model, device), held @ share)
 
+    def _held(self, row: int) -> np.ndarray:
+        """``[S, E]``: 1 where server ``s`` holds expert ``e`` of ``layers[row]``."""
+        key = ("held", row)
+        if key not in self._phase_cache:
+            layer = self.layers[row]
+            held = np.zeros((len(self.holdings), self.shares.shape[1]))
+            for i, s in enumerate(self.holdings):
+                held[i, list(self.holdings[s].get(layer, ()))] = 1.0
+            self._phase_cache[key] = held
+        return self._phase_cache[key]
+
     def server_nodes(self) -> np.ndarray:
-        return np.array([self.node(s) for s in self.holdings])
+        if "nodes" not in self._phase_cache:
+            self._phase_cache["nodes"] = np.array([self.node(s) for s in self.holdings])
+        return self._phase_cache["nodes"]
 
     def memory_ok(self) -> bool:
         """Every server's experts (all MoE layers, as the simulated ones) fit its memory."""

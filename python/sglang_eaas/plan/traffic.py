@@ -68,10 +68,12 @@ def parse_lengths(flag: str, value: str, mean: int) -> Lengths:
 
 
 def poisson(rate: float, duration: float, prompt: Lengths, output: Lengths, seed: int = 0,
-            diurnal: tuple[float, float] | None = None) -> Traffic:
+            diurnal: tuple[float, float] | None = None, trough_first: bool = False
+            ) -> Traffic:
     """Poisson arrivals at ``rate`` requests/s over ``duration`` seconds; with ``diurnal`` =
     (amplitude, period seconds) the rate is ``rate * (1 + amplitude * sin(2 pi t / period))``
-    (thinning)."""
+    (thinning), or with ``trough_first`` ``rate * (1 - amplitude * cos(2 pi t / period))``
+    (the day starts at its lowest)."""
     if not rate > 0 or not duration > 0:
         raise PlanInputError(f"--traffic RATE and --duration must be > 0, got {rate:g} and "
                              f"{duration:g}")
@@ -84,8 +86,9 @@ def poisson(rate: float, duration: float, prompt: Lengths, output: Lengths, seed
     times = times[times < duration]
     if diurnal:
         amplitude, period = diurnal
-        keep = rng.random(len(times)) * peak < rate * (
-            1 + amplitude * np.sin(2 * np.pi * times / period))
+        angle = 2 * np.pi * times / period
+        wave = -np.cos(angle) if trough_first else np.sin(angle)
+        keep = rng.random(len(times)) * peak < rate * (1 + amplitude * wave)
         times = times[keep]
     n = len(times)
     label = f"Poisson {rate:g}/s" + (f", diurnal +-{diurnal[0]:.0%}" if diurnal else "")
