@@ -372,3 +372,29 @@ def test_a_bad_profile_and_a_bad_trace_line_are_named(tmp_path, capsys):
     trace.write_text('{"arrival": 0, "prompt": 3, "output": 2}\n{"arrival": 1}\n')
     assert main(_with("--traffic", str(trace))) == 2
     assert f"{trace}:2" in capsys.readouterr().err
+
+
+# -- published anchors ------------------------------------------------------------------------
+def test_published_anchor_deepep_low_latency_times_within_20_percent():
+    """A published anchor, not a measurement: DeepEP V1's low-latency kernels (its
+    docs/legacy.md: H800, one CX7 400 Gb/s NIC per GPU, 128 tokens, hidden 7168, top-8, FP8
+    dispatch, BF16 combine). The fabric model on the H100 profile's inter-node link (the same
+    NIC: 50 GB/s, 4 us per message assumed) predicts one rank's 1024 entries: 155.4 us to
+    dispatch and 297.6 us to combine at every EP size; the published times, EP 32 to 256, are
+    within 20% of that (the model misses what grows with EP: 10-20% low from EP 128)."""
+    from sglang_eaas.plan.anchors import deepep_low_latency
+    from sglang_eaas.plan.profile import load_profile
+
+    published = {("dispatch", 32): 155, ("dispatch", 64): 173, ("dispatch", 128): 192,
+                 ("dispatch", 256): 194, ("combine", 32): 273, ("combine", 64): 314,
+                 ("combine", 128): 369, ("combine", 256): 360}
+    hand = {"dispatch": 4 + 1024 * (7168 + 7168 // 128 * 4) / 50e9 * 1e6,
+            "combine": 4 + 1024 * 7168 * 2 / 50e9 * 1e6}
+    anchors = {(a.name.split()[2].rstrip(","), int(a.name.split()[-1])): a
+               for a in deepep_low_latency(load_profile("h100"))}
+    assert set(anchors) == set(published)
+    for (kind, ep), us in published.items():
+        a = anchors[kind, ep]
+        assert a.published == us
+        assert a.predicted == pytest.approx(hand[kind], rel=1e-6)
+        assert abs(a.predicted - us) / us <= 0.20, (kind, ep, a.predicted, us)
