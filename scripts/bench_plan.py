@@ -20,7 +20,7 @@ start (G/2 servers):
   after 30 s, by a new device after 120 s);
 * **elastic**: ``elastic/autoscaler.py``'s ``Autoscaler`` (window 10 s, patience 2, cooldown
   20 s, between G/8 and G/2 servers; one server per decision, as in the live tier) and
-  ``balance/policy.py``'s ``BalancePolicy`` (reactive, a look every 30 s);
+  ``balance/policy.py``'s ``BalancePolicy`` (reactive, a look every 60 s, budget 1024 copies);
 * **elastic+switching**: and ``elastic/layout_policy.py``'s ``LayoutChooser`` (its defaults,
   a window every 10 s, the cost model's constants from the profile).
 
@@ -109,7 +109,7 @@ def one(run: Run) -> Outcome:
             AutoscaleLoop(AutoscalePolicy(ttft=TTFT, tpot=TPOT, window=10.0, patience=2,
                                           cooldown=20.0), bounds=(max(1, run.gpus // 8),
                                                                   servers)),
-            BalanceLoop(BalanceSettings(mode="reactive", period=30.0, horizon=30.0,
+            BalanceLoop(BalanceSettings(mode="reactive", period=60.0, horizon=60.0,
                                         cooldown=60.0, budget=1024)))
     if run.mode == "elastic+switching":
         controllers += (LayoutLoop(LayoutPolicy(), period=10.0),)

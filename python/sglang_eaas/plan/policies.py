@@ -144,9 +144,14 @@ class LayoutLoop:
             clock=lambda: sim.now)
 
     def _ep_placement(self) -> list[list[int]]:
-        servers = list(self.sim.tier.holdings)
-        held = self.sim.tier.placement_as(servers, EP)
-        return [list(held[s].get(self.sim.load.layers[0], ())) for s in servers]
+        """The EP placement the tier has, or would get back (its first simulated layer's)."""
+        tier = self.sim.tier
+        if getattr(self, "_placed", (None,))[0] != tier.epoch:
+            servers = list(tier.holdings)
+            held = tier.holdings if tier.layout == EP else tier.placement_as(servers, EP)
+            self._placed = (tier.epoch, [list(held[s].get(self.sim.load.layers[0], ()))
+                                         for s in servers])
+        return self._placed[1]
 
     def finished(self, ttft: float, tpot: float) -> None:
         pass

@@ -41,21 +41,21 @@ def hot_placement(shares: np.ndarray, servers: list[str], hot: int) -> dict[str,
     else:
         blocks = even_placement(num, len(servers))
         copies += 1
-    held = {s: list(b) for s, b in zip(servers, blocks)}
-    load = {s: sum(shares[x] / copies[x] for x in ids) for s, ids in held.items()}
+    held = np.zeros((len(servers), num), dtype=bool)
+    for i, b in enumerate(blocks):
+        held[i, b] = True
     for _ in range(hot):
-        wanted = sorted(range(num), key=lambda x: (-shares[x] / copies[x], x))
-        for e in wanted:
-            free = [s for s in servers if e not in held[s]]
-            if free:
+        ratio = shares / copies
+        for e in np.argsort(-ratio, kind="stable"):
+            if not held[:, e].all():
                 break
         else:
             break
-        target = min(free, key=lambda s: (load[s], servers.index(s)))
-        held[target].append(e)
+        load = held @ ratio  # each server's share of the layer's entries
+        target = int(np.argmin(np.where(held[:, e], np.inf, load)))  # the first of the least
+        held[target, e] = True
         copies[e] += 1
-        load = {s: sum(shares[x] / copies[x] for x in ids) for s, ids in held.items()}
-    return {s: sorted(ids) for s, ids in held.items()}
+    return {s: [int(x) for x in np.flatnonzero(held[i])] for i, s in enumerate(servers)}
 
 
 class Tier:
