@@ -109,6 +109,7 @@ class Simulator:
         self.tier = Tier(deployment, model, profile, load.layers, load.shares)
         self.now = 0.0
         self._events: list = []
+        self._queued = [0] * 8  # events in the heap, by kind
         self._seq = 0
         n = len(traffic)
         self.ttft, self.tpot = np.full(n, np.nan), np.full(n, np.nan)
@@ -152,6 +153,7 @@ class Simulator:
         until = self.settings.until
         while self._events:
             t, _, kind, data = heapq.heappop(self._events)
+            self._queued[kind] -= 1
             if until is not None and t > until:
                 break
             self._pay(t)
@@ -203,13 +205,14 @@ class Simulator:
 
     def _push(self, t: float, kind: int, data) -> None:
         self._seq += 1
+        self._queued[kind] += 1
         heapq.heappush(self._events, (t, self._seq, kind, data))
 
     def _work_left(self) -> bool:
         return bool(self._queue or self._running or self._prefilling)
 
     def _pending_events(self) -> bool:
-        return any(k in (ARRIVE, FAIL, JOIN, APPLY) for _, _, k, _ in self._events)
+        return any(self._queued[k] for k in (ARRIVE, FAIL, JOIN, APPLY))
 
     # -- steps --------------------------------------------------------------------------------
     def _capacity(self) -> int:
