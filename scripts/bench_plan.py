@@ -1,6 +1,6 @@
 """Benchmark (a projection by the simulator, not a measurement): the tier's own policies at
 64 to 512 devices of the H100 profile, on a compressed diurnal day with and without failures
-(docs/planning.md, "The policies at cluster scale"; issue 38 item 3).
+(docs/planning.md, "The tier's policies in the loop"; issue 38 item 3).
 
 The model is Qwen3-235B-A22B (``examples/plan/``, config only), its per-expert load a Zipf law
 (s = 0.8, the hot experts different in each layer); 2 of its 94 MoE layers simulated, each
