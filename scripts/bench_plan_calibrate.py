@@ -6,10 +6,14 @@
      experts, hidden 1024, intermediate 512, top-4), in this process, at ``--fit-batches``
      tokens: the device's memory bandwidth and FLOP/s, least squares of the relative error of
      the planner's own expert cost (``plan/cost.py``'s ``expert_costs``, expected counts);
+   * the slot protocol's echo round trips over shm (``bench_p2p``'s peers: one client and 1
+     or 2 servers, each its own process, a (batch, 7168) bfloat16 payload): ``round trip / 2 =
+     servers x (fixed + bytes / bandwidth)``, least squares: the intra-node link's fixed cost
+     per message and bandwidth;
    * one client (``EaasClient``, what SGLang's MoE layer calls under ``--eaas``) and ONE local
      expert server holding every expert, over shm, at the same batch sizes: the round trip less
-     the kernel's time is two messages (dispatch, combine), fitted as ``2 x (fixed + bytes /
-     bandwidth)``: the intra-node link's fixed cost and bandwidth.
+     the kernel's time and the two messages is the client's own work per layer call (routing,
+     sums): the fabric's ``call_s``, half of it per phase (the median over the batch sizes).
 2. **Configurations, predicted and measured** (out of sample: none of them is a fit point but
    the 1-server ones, marked): ``--configs`` of (layout, servers, copies of each expert, batch),
    each started as ``--eaas-expert-servers local:N`` starts servers (``start_local_servers``; TP
@@ -42,6 +46,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lib.layer_math import make_batches  # noqa: E402
+from bench_lib.p2p_peers import HIDDEN, Plan, run_slots  # noqa: E402
 from bench_lib.report import ROOT, Report, default_out, say  # noqa: E402
 from sglang_eaas import envs  # noqa: E402
 from sglang_eaas.checkpoint import ModelIdentity  # noqa: E402
@@ -155,17 +160,35 @@ def fit_device(spec: ModelSpec, kernel: dict[int, float]) -> tuple[float, float,
     return 10 ** found.x[0], 10 ** found.x[1], err
 
 
-def fit_link(spec: ModelSpec, trips: dict[int, float], kernel: dict[int, float]
-             ) -> tuple[float, float]:
-    """(fixed seconds, bandwidth bytes/s): round trip - kernel = 2 (fixed + bytes / bw)."""
-    nbytes = np.array([b * spec.info.top_k * spec.info.hidden_size * spec.dtype_bytes
-                       for b in trips])
-    comm = np.array([(trips[b] - kernel[b]) * 1e-6 / 2 for b in trips])
-    slope, fixed = np.polyfit(nbytes, comm, 1)
-    return max(float(fixed), 1e-7), 1.0 / max(float(slope), 1e-12)
+def slot_round_trips(batches: list[int], repeat: int) -> dict[tuple[int, int], float]:
+    """(servers, batch) -> microseconds of the shm slot echo, 1 client and 1 or 2 servers."""
+    plan = Plan(tuple(batches), repeat, 3, 1)
+    out = {}
+    for servers in (1, 2):
+        for b, us in run_slots(plan, "shm", 1, servers).items():
+            out[servers, b] = us
+            say(f"shm slot echo, 1 x {servers}, batch {b}: {us:.1f} us")
+    return out
 
 
-def _profile_dict(base, bandwidth, flops, fixed, link_bw) -> dict:
+def fit_link(echo: dict[tuple[int, int], float]) -> tuple[float, float]:
+    """(fixed seconds, bandwidth bytes/s): round trip / 2 = servers x (fixed + bytes / bw)."""
+    a = np.array([[s, s * b * HIDDEN * 2] for s, b in echo])
+    y = np.array(list(echo.values())) * 1e-6 / 2
+    (fixed, per_byte), *_ = np.linalg.lstsq(a, y, rcond=None)
+    return max(float(fixed), 1e-7), 1.0 / max(float(per_byte), 1e-13)
+
+
+def fit_call(spec: ModelSpec, trips: dict[int, float], kernel: dict[int, float], fixed: float,
+             link_bw: float) -> float:
+    """The client's own work per phase: (1-server round trip - kernel - two messages) / 2."""
+    entry = spec.info.top_k * spec.info.hidden_size * spec.dtype_bytes
+    rest = [((trips[b] - kernel[b]) * 1e-6 - 2 * (fixed + b * entry / link_bw)) / 2
+            for b in trips]
+    return max(statistics.median(rest), 0.0)
+
+
+def _profile_dict(base, bandwidth, flops, fixed, link_bw, call=0.0) -> dict:
     return {"name": "cpu-here",
             "device": {"memory_bandwidth": bandwidth,
                        "flops": {"bfloat16": flops, "float32": flops},
@@ -174,7 +197,7 @@ def _profile_dict(base, bandwidth, flops, fixed, link_bw) -> dict:
                                       "message_s": fixed or base.intra_node.message_s},
                        "inter_node": {"bandwidth": base.inter_node.bandwidth,
                                       "message_s": base.inter_node.message_s},
-                       "serial_messages": True},
+                       "serial_messages": True, "call_s": call},
             "gpus_per_node": base.gpus_per_node,
             "price_per_gpu_hour": base.price_per_gpu_hour}
 
@@ -214,9 +237,11 @@ def main() -> int:
         everything = list(range(info.num_experts))
         trips = {b: layer_time(model, info, [everything], None, b, args.repeat, log)
                  for b in fit_batches}
+        echo = slot_round_trips(fit_batches, args.repeat)
         bandwidth, flops, kernel_err = fit_device(spec, kernel)
-        fixed, link_bw = fit_link(spec, trips, kernel)
-        fitted = _profile_dict(load_profile("cpu-here"), bandwidth, flops, fixed, link_bw)
+        fixed, link_bw = fit_link(echo)
+        call = fit_call(spec, trips, kernel, fixed, link_bw)
+        fitted = _profile_dict(load_profile("cpu-here"), bandwidth, flops, fixed, link_bw, call)
         profile = parse_profile(fitted)
         rows = []
         for layout, servers, copies, batch in chosen:
@@ -230,9 +255,12 @@ def main() -> int:
         f"Fitted from the microbenchmarks (bench checkpoint `{model.name}`, 1 thread per "
         f"server and client, shm): memory bandwidth {bandwidth / 1e9:.2f} GB/s, "
         f"{flops / 1e9:.1f} GFLOP/s (kernel fit's mean error {kernel_err:.1%}); a message "
-        f"{fixed * 1e6:.1f} us + bytes at {link_bw / 1e9:.2f} GB/s.\n\n"
-        "| batch | kernel us | 1-server round trip us |\n|---:|---:|---:|\n"
-        + "\n".join(f"| {b} | {kernel[b]:.1f} | {trips[b]:.1f} |" for b in fit_batches))
+        f"{fixed * 1e6:.1f} us + bytes at {link_bw / 1e9:.2f} GB/s; the client's own work "
+        f"{call * 1e6:.1f} us per dispatch or combine.\n\n"
+        "| batch | kernel us | shm echo 1x1 us | shm echo 1x2 us | 1-server EaasClient round "
+        "trip us |\n|---:|---:|---:|---:|---:|\n"
+        + "\n".join(f"| {b} | {kernel[b]:.1f} | {echo[1, b]:.1f} | {echo[2, b]:.1f} | "
+                     f"{trips[b]:.1f} |" for b in fit_batches))
     lines = ["| layout | servers | copies | batch | predicted us | with cores shared us | "
              "measured us | error | error, cores shared |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -257,7 +285,7 @@ def main() -> int:
                   f"{PROFILES.name}/h100.yaml for the format.\n")
         fitted["device"]["source"] = "fitted by scripts/bench_plan_calibrate.py (kernel)"
         fitted["fabric"]["intra_node"]["source"] = ("fitted by scripts/bench_plan_calibrate.py "
-                                                    "(1-server round trips)")
+                                                    "(shm slot echoes)")
         args.write_profile.write_text(header + yaml.safe_dump(fitted, sort_keys=False))
         say(f"profile written to {args.write_profile}")
     report.save()

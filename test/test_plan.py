@@ -141,6 +141,10 @@ def test_fabric_message_is_fixed_cost_plus_size_over_bandwidth():
         FIXED_INTER + 40 * 100 / BW_INTER)
     assert fabric_phase(*two, toy_profile(serial=True)) == pytest.approx(
         2 * FIXED_INTER + 40 * 100 / BW_INTER)
+    # an endpoint's own work per phase (a CPU client's routing and sums) comes on top
+    busy = parse_profile({**_toy_dict(), "fabric": {**_toy_dict()["fabric"], "call_s": 0.5}})
+    assert fabric_phase(np.array([10.0]), 1, np.array([0]), np.array([1]), 100.0,
+                        busy) == pytest.approx(0.5 + FIXED_INTER + 10 * 100 / BW_INTER)
     # a server on the client's node: the intra-node link
     assert fabric_phase(np.array([10.0]), 1, np.array([0]), np.array([0]), 100.0,
                         toy_profile()) == pytest.approx(FIXED_INTRA + 10 * 100 / BW_INTRA)

@@ -9,7 +9,8 @@
 * a message costs the link's fixed cost plus its bytes over the link's bandwidth; an endpoint's
   bytes go one after the other, and so do its fixed costs where the profile says
   ``serial_messages`` (a CPU thread posting each message) or else once (a GPU's messages all in
-  flight together); a phase (dispatch, combine) lasts as long as its busiest endpoint;
+  flight together); a phase (dispatch, combine) lasts as long as its busiest endpoint, plus the
+  profile's ``call_s`` (an endpoint's own work per phase outside its messages, 0 for GPUs);
 * attention on an instance of ``g`` devices costs the roofline of its weights, the KV it reads
   and its FLOPs, over ``g`` devices;
 * a layer without overlap costs attention + dispatch + experts + combine; with two micro-batches
@@ -59,10 +60,11 @@ def fabric_phase(entries: np.ndarray, clients: int, client_nodes: np.ndarray,
     moved = np.where(same, nbytes / intra.bandwidth, nbytes / inter.bandwidth) * sent
     if profile.serial_messages:  # one thread posts one message after the other
         times = fixed + moved
-        return float(max(times.sum(axis=1).max(), times.sum(axis=0).max()))
-    # every message in flight at once: its fixed cost once, the bytes one after the other
-    return float(max((fixed.max(axis=1) + moved.sum(axis=1)).max(),
-                     (fixed.max(axis=0) + moved.sum(axis=0)).max()))
+        busiest = max(times.sum(axis=1).max(), times.sum(axis=0).max())
+    else:  # every message in flight at once: its fixed cost once, the bytes one after another
+        busiest = max((fixed.max(axis=1) + moved.sum(axis=1)).max(),
+                      (fixed.max(axis=0) + moved.sum(axis=0)).max())
+    return float(busiest + profile.call_s)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ Format (every number positive; ``source`` says where each block's numbers come f
       inter_node: {bandwidth: 5.0e10, message_s: 4.0e-6, source: "..."}
       serial_messages: false        # true: an endpoint pays each message's fixed cost in
                                     #   turn (a CPU thread); false: once (all in flight)
+      call_s: 0                     # seconds an endpoint works per dispatch or combine
+                                    #   outside its messages (a CPU client's routing and
+                                    #   sums); default 0
     gpus_per_node: 8
     price_per_gpu_hour: 2.5
     price_source: "..."
@@ -70,6 +73,7 @@ class HardwareProfile:
     price_per_gpu_hour: float
     sources: Mapping[str, str]  # block -> where its numbers come from
     serial_messages: bool = False  # an endpoint pays each message's fixed cost in turn
+    call_s: float = 0.0  # an endpoint's own work per dispatch or combine, outside messages
 
     def link(self, node_a: int, node_b: int) -> Link:
         return self.intra_node if node_a == node_b else self.inter_node
@@ -118,7 +122,8 @@ def parse_profile(data: Any, where: str = "<profile>") -> HardwareProfile:
         str(top.get("name", Path(where).stem)),
         made, links["intra_node"], links["inter_node"], gpus,
         _positive(where, "price_per_gpu_hour", top.get("price_per_gpu_hour")), sources,
-        _flag(where, "fabric.serial_messages", fabric.get("serial_messages", False)))
+        _flag(where, "fabric.serial_messages", fabric.get("serial_messages", False)),
+        _positive(where, "fabric.call_s", fabric["call_s"]) if fabric.get("call_s") else 0.0)
 
 
 def _flag(where: str, field: str, value: Any) -> bool:
