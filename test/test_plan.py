@@ -402,3 +402,93 @@ def test_published_anchor_deepep_low_latency_times_within_20_percent():
         assert a.published == us
         assert a.predicted == pytest.approx(hand[kind], rel=1e-6)
         assert abs(a.predicted - us) / us <= 0.20, (kind, ep, a.predicted, us)
+
+
+# -- load, traffic, search, the command ----------------------------------------------------------
+def test_a_zipf_fit_recovers_the_exponent_and_a_dump_is_read(tmp_path):
+    from sglang_eaas.balance.load import LoadWindow, append_dump
+    from sglang_eaas.plan.load import dump_load, fit_zipf
+
+    ranks = np.arange(1, 33)
+    assert fit_zipf(1.0 / ranks ** 1.3) == pytest.approx(1.3)
+    assert fit_zipf(np.ones(8)) == pytest.approx(0.0)
+    counts = np.array([[30, 10, 0, 20], [1, 1, 1, 1]])
+    append_dump(tmp_path / "d.jsonl", [LoadWindow.of("c", 0, 4, 0.0, 1.0, [0, 1], counts),
+                                       LoadWindow.of("c", 4, 4, 1.0, 2.0, [0, 1], counts)])
+    load = dump_load(tmp_path / "d.jsonl", 4, (0, 1))
+    assert load.layers == (0, 1)
+    assert load.shares[0].tolist() == [0.5, 1 / 6, 0.0, 1 / 3]
+    assert load.row(7).tolist() == pytest.approx([(0.5 + 0.25) / 2, (1 / 6 + 0.25) / 2,
+                                                  0.125, (1 / 3 + 0.25) / 2])
+
+
+def test_diurnal_arrivals_follow_the_rate_and_a_trace_reads_back(tmp_path):
+    from sglang_eaas.plan.traffic import read_trace, write_trace
+
+    day = 1000.0
+    t = poisson(50.0, day, Lengths(8), Lengths(4), seed=1, diurnal=(0.6, day),
+                trough_first=True)
+    # rate 50 x (1 - 0.6 cos): 20/s at the trough, 80/s at the peak; 50/s on average
+    assert len(t) == pytest.approx(50 * day, rel=0.02)
+    first = np.sum(t.arrival < day / 10) / (day / 10)  # integral of the rate over [0, day/10]
+    expected = 50 * (1 - 0.6 * np.sin(2 * np.pi / 10) / (2 * np.pi / 10))
+    assert first == pytest.approx(expected, rel=0.08)
+    middle = np.sum(np.abs(t.arrival - day / 2) < day / 20) / (day / 10)
+    assert middle == pytest.approx(50 * (1 + 0.6 * np.sin(np.pi / 10) / (np.pi / 10)),
+                                   rel=0.08)
+    write_trace(tmp_path / "t.jsonl", t)
+    back = read_trace(tmp_path / "t.jsonl")
+    assert len(back) == len(t) and back.prompt.tolist() == t.prompt.tolist()
+
+
+def test_the_cheapest_and_the_cost_curve():
+    from sglang_eaas.plan.search import SLO, cheapest, cost_curve
+
+    def cand(a, s, attainment, fits=True):
+        d = Deployment(a, s)
+        return Candidate(d, attainment, d.gpus * 2.0, 0, 0, 0, 0, fits)
+
+    slo = SLO(1, 1, 0.9)
+    cs = [cand(1, 2, 0.5), cand(2, 2, 0.95), cand(1, 3, 0.92), cand(4, 4, 1.0),
+          cand(1, 1, 0.99, fits=False)]
+    best = cheapest(cs, slo)
+    assert best.deployment in (Deployment(2, 2), Deployment(1, 3))  # 8.0/h each
+    assert best.deployment == Deployment(2, 2)  # the higher attainment of the two
+    assert cost_curve(cs) == [(4.0, 0.0), (6.0, 0.5), (8.0, 0.95), (16.0, 1.0)]
+
+
+def test_the_search_finds_what_trying_every_deployment_finds(tmp_path):
+    """Bisection over attention instances finds, per tier shape and server count, the fewest
+    that meet the SLO: the same cheapest deployment as simulating every one of them."""
+    from sglang_eaas.plan.search import SLO, Space, cheapest, evaluate, search
+
+    model = toy_model(tmp_path, inter=256)
+    profile = parse_profile({**_toy_dict(), "device": {
+        "memory_bandwidth": 2e7, "flops": {"bfloat16": 2e7}, "memory": 1e12}})
+    traffic = poisson(4.0, 30, Lengths(2), Lengths(8), seed=4)
+    slo = SLO(ttft=0.05, tpot=0.02, attainment=0.9)
+    space = Space(attention=(1, 2, 3, 4, 6, 8), expert_servers=(1, 2, 4), overlap=(False,),
+                  max_running=2)
+    settings = SimSettings()
+    found = search(space, model, profile, uniform(), traffic, slo, settings)
+    every = [evaluate(Deployment(a, s, max_running=2), model, profile, uniform(), traffic,
+                      slo, settings) for a in space.attention for s in space.expert_servers]
+    assert cheapest(every, slo) is not None
+    assert cheapest(found, slo).deployment == cheapest(every, slo).deployment
+    assert len(found) < len(every)
+
+
+def test_the_command_writes_a_deployment_the_deploy_command_accepts(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["--model", str(ROOT / "models/tiny-moe-stdlib"), "--hardware", "cpu-here",
+                 "--slo", "ttft=5,tpot=1", "--traffic", "1", "--duration", "20",
+                 "--prompt-tokens", "16", "--output-tokens", "8", "--layouts", "ep",
+                 "--overlap", "on", "--attention", "1-2", "--expert-servers", "2,4",
+                 "--hot-replicas", "0", "--progress", "--out", str(out)])
+    said = capsys.readouterr()
+    assert code == 0, said.err
+    assert "cheapest meeting the SLO:" in said.out and "plan: " in said.err
+    assert (out / "cost-curve.png").stat().st_size > 1000
+    config = load_config(out / "deploy.yaml")
+    assert config.model == ROOT / "models/tiny-moe-stdlib"
+    assert "eaas-expert:" in (out / "k8s-sizes.yaml").read_text()

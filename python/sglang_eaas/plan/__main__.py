@@ -164,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
                    help="where deploy.yaml, k8s-sizes.yaml and cost-curve.png go (default "
                    ".cache/plan)")
     o.add_argument("--progress", action="store_true",
-                   help="a line every 5 deployments simulated, on stderr")
+                   help="a line on stderr after each tier shape and server count searched")
     return p
 
 

@@ -2,7 +2,9 @@
 
 For every shape of the tier (layout, two-batch overlap, hot replicas, standby servers, devices
 per attention instance) and every expert-server count, the fewest attention instances that meet
-the SLO are found by bisection (attainment taken to grow with attention instances); every
+the SLO: galloping up the list from the fewest until one meets, then bisection between it and
+the last that failed (attainment taken to grow with attention instances there; it need not
+beyond: more instances run more requests at once, which can lengthen every step); every
 deployment simulated on the way is a candidate of the table and the cost curve.
 """
 
@@ -121,27 +123,36 @@ def search(space: Space, model: ModelSpec, profile: HardwareProfile, load: Exper
     def run(dep: Deployment) -> Candidate:
         if dep not in seen:
             seen[dep] = evaluate(dep, model, profile, load, traffic, slo, settings, failures)
-            if progress and len(seen) % 5 == 0:
-                best = min((c.cost_per_hour for c in seen.values() if c.meets(slo)),
-                           default=None)
-                progress(f"{len(seen)} candidates simulated ({done[0]} of {total} tier shapes "
-                         f"x server counts done); cheapest meeting the SLO so far: "
-                         + (f"{best:.2f}/h" if best is not None else "none"))
         return seen[dep]
 
-    done = [0]
+    done = 0
     for shape in tiers:
         for s in servers:
             make = lambda a: Deployment(a, s, **shape)  # noqa: E731
-            if run(make(attention[-1])).meets(slo):
-                lo, hi = 0, len(attention) - 1  # attention[hi] meets
-                while lo < hi:
+            # galloping up from the fewest: attention[0], [1], [3], [7], ... until one meets
+            # (more instances are not always better: each runs up to max_running requests, so
+            # more of them can lengthen every step), then bisection below it
+            last = len(attention) - 1
+            lo, hi, step = -1, 0, 1
+            while not run(make(attention[hi])).meets(slo):
+                if hi == last:
+                    hi = None  # none meets
+                    break
+                lo, hi, step = hi, min(hi + step, last), step * 2
+            if hi is not None:
+                while hi - lo > 1:  # attention[lo] fails (or lo = -1), attention[hi] meets
                     mid = (lo + hi) // 2
                     if run(make(attention[mid])).meets(slo):
                         hi = mid
                     else:
-                        lo = mid + 1
-            done[0] += 1
+                        lo = mid
+            done += 1
+            if progress:
+                best = min((c.cost_per_hour for c in seen.values() if c.meets(slo)),
+                           default=None)
+                progress(f"{done} of {total} tier shapes x server counts searched, "
+                         f"{len(seen)} deployments simulated; the cheapest meeting the SLO so "
+                         "far: " + (f"{best:.2f}/h" if best is not None else "none"))
     return list(seen.values())
 
 
