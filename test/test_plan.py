@@ -19,7 +19,7 @@ from sglang_eaas.elastic.autoscaler import Autoscaler, AutoscalePolicy
 from sglang_eaas.elastic.layout_policy import LayoutChooser, LayoutPolicy
 from sglang_eaas.plan.__main__ import main
 from sglang_eaas.plan.cost import fabric_phase
-from sglang_eaas.plan.deployment import EP, Deployment
+from sglang_eaas.plan.deployment import Deployment
 from sglang_eaas.plan.load import ExpertLoad, zipf_load
 from sglang_eaas.plan.model import ModelSpec
 from sglang_eaas.plan.output import write_outputs
@@ -292,15 +292,16 @@ def test_the_simulators_layout_switches_equal_the_live_choosers(tmp_path):
              poisson(3.0, 30, Lengths(4), Lengths(16), seed=5),
              settings=SimSettings(switch_s=1.0), controllers=(layout,))
     now = [0.0]
-    first = next(c for c in layout.calls if c.kind == "window")
-    chooser = LayoutChooser(layout.policy, first.inputs[3], model.info.top_k,
-                            first.inputs[1], first.inputs[2], EP, clock=lambda: now[0])
-    decided = []
+    chooser, decided = None, []
     for c in layout.calls:
         now[0] = c.at
-        if c.kind == "window":
-            window, chooser.parts, chooser.placement, chooser.cost = c.inputs
-            d = chooser.window(window)
+        if c.kind == "chooser":  # a new chooser over the servers the tier has then
+            cost, parts, placement, current, attempted = c.inputs
+            chooser = LayoutChooser(layout.policy, cost, model.info.top_k, parts, placement,
+                                    current, clock=lambda: now[0])
+            chooser.last_switch = attempted
+        elif c.kind == "window":
+            d = chooser.window(c.inputs)
             decided.append((d.to if d else None, c.outcome))
         elif c.kind == "switched":
             chooser.switched(c.inputs)

@@ -17,9 +17,11 @@ from sglang_eaas.balance.policy import BalancePolicy, BalanceSettings
 from sglang_eaas.elastic.autoscaler import OUT, Autoscaler, AutoscalePolicy
 from sglang_eaas.elastic.layout_cost import LayerCost
 from sglang_eaas.elastic.layout_policy import LayoutChooser, LayoutPolicy, window_of
+from sglang_eaas.placement import even_placement
 from sglang_eaas.plan.deployment import EP
 from sglang_eaas.plan.model import ModelSpec
 from sglang_eaas.plan.profile import HardwareProfile
+from sglang_eaas.slices import Part
 
 
 @dataclass
@@ -98,11 +100,13 @@ class BalanceLoop:
         tokens, _ = sim.tokens_since(sim.now - self.settings.horizon)
         estimate = np.rint(sim.load.counts(tokens * sim.model.info.top_k)).astype(np.int64)
         current = sim.tier.holdings
-        slots = self.settings.slots or fullest(current)
+        slots = self.settings.slots or max(1, fullest(current))
         look, plan = self.policy.look(sim.now, estimate, current, slots)
         self.calls.append(Call(sim.now, "look", (estimate, current, slots), look.act))
-        if plan is not None and sim.change(plan.target, sim.settings.move_s,
-                                           done=self._acted):
+        if plan is None:
+            return
+        self._acted()  # as client/balance_hooks.py: acted when it decides, and again at the end
+        if sim.change(plan.target, sim.settings.move_s, done=self._acted):
             sim.log.append(f"{sim.now:.1f}s: balancer: {look.why}")
 
     def _acted(self) -> None:
@@ -127,9 +131,11 @@ def profile_layer_cost(model: ModelSpec, profile: HardwareProfile, servers: int)
 
 @dataclass
 class LayoutLoop:
-    """The EP <-> TP chooser judging each window of the simulated load; a decision switches
-    the tier (EP: the planner's placement over the same servers; TP: every server a part of
-    every expert)."""
+    """The EP <-> TP chooser judging each window of the simulated load, kept as
+    ``client/layout_hooks.py`` keeps it: a new chooser whenever the tier's servers change (the
+    dwell carried over), none under 2 servers or where they cannot hold one part each; a
+    decision switches the tier (EP: the planner's placement over the same servers; TP: every
+    server a part of every expert)."""
 
     policy: LayoutPolicy
     period: float = 10.0
@@ -137,38 +143,44 @@ class LayoutLoop:
 
     def attach(self, sim) -> None:
         self.sim = sim
-        servers = len(sim.tier.holdings)
-        self.chooser = LayoutChooser(
-            self.policy, profile_layer_cost(sim.model, sim.profile, servers),
-            sim.model.info.top_k, servers, self._ep_placement(), sim.tier.layout,
-            clock=lambda: sim.now)
-
-    def _ep_placement(self) -> list[list[int]]:
-        """The EP placement the tier has, or would get back (its first simulated layer's)."""
-        tier = self.sim.tier
-        if getattr(self, "_placed", (None,))[0] != tier.epoch:
-            servers = list(tier.holdings)
-            held = tier.holdings if tier.layout == EP else tier.placement_as(servers, EP)
-            self._placed = (tier.epoch, [list(held[s].get(self.sim.load.layers[0], ()))
-                                         for s in servers])
-        return self._placed[1]
+        self.chooser: LayoutChooser | None = None
+        self._group: tuple[str, ...] = ()
+        self._attempted = -float("inf")
 
     def finished(self, ttft: float, tpot: float) -> None:
         pass
 
+    def _chooser(self) -> LayoutChooser | None:
+        tier, info = self.sim.tier, self.sim.model.info
+        group = tuple(tier.holdings)
+        try:
+            Part(0, len(group)).check(info.moe_intermediate_size)
+        except ValueError:
+            return None
+        if len(group) < 2:
+            return None
+        if self.chooser is None or group != self._group:
+            first = self.sim.load.layers[0]
+            placement = ([list(tier.holdings[s].get(first, ())) for s in group]
+                         if tier.layout == EP else even_placement(info.num_experts, len(group)))
+            cost = profile_layer_cost(self.sim.model, self.sim.profile, len(group))
+            self.chooser = LayoutChooser(self.policy, cost, info.top_k, len(group), placement,
+                                         tier.layout, clock=lambda: self.sim.now)
+            self.chooser.last_switch = self._attempted  # the dwell outlives a new chooser
+            self._group = group
+            self.calls.append(Call(self.sim.now, "chooser", (cost, len(group), placement,
+                                                             tier.layout, self._attempted)))
+        return self.chooser
+
     def act(self, sim) -> None:
         tokens, steps = sim.tokens_since(sim.now - self.period)
-        if not steps:
+        chooser = self._chooser()
+        if not steps or chooser is None:
             return
         counts = np.rint(sim.load.counts(tokens * sim.model.info.top_k)).astype(np.int64)
         window = window_of(counts, steps)
-        # the tier's size now (a resize may have changed it): the chooser's own attributes
-        self.chooser.parts = len(sim.tier.holdings)
-        self.chooser.placement = self._ep_placement()
-        self.chooser.cost = profile_layer_cost(sim.model, sim.profile, self.chooser.parts)
-        decision = self.chooser.window(window)
-        self.calls.append(Call(sim.now, "window", (window, self.chooser.parts,
-                                                   self.chooser.placement, self.chooser.cost),
+        decision = chooser.window(window)
+        self.calls.append(Call(sim.now, "window", window,
                                None if decision is None else decision.to))
         if decision is None:
             return
@@ -176,11 +188,10 @@ class LayoutLoop:
         target = sim.tier.placement_as(list(sim.tier.holdings), to)
         if sim.change(target, sim.settings.switch_s, layout=to,
                       done=lambda: self._switched(to)):
+            self._attempted = sim.now
             sim.log.append(f"{sim.now:.1f}s: layout: {decision.reason}")
 
     def _switched(self, to: str) -> None:
         self.calls.append(Call(self.sim.now, "switched", to))
-        self.chooser.switched(to)
-
-
-
+        if self.chooser is not None:
+            self.chooser.switched(to)
