@@ -121,7 +121,7 @@ def one(run: Run) -> Outcome:
     said = " ".join(r.log)
     return Outcome(run, r.attainment(TTFT, TPOT), r.gpu_hours_until(run.day), r.failed,
                    len(traffic), p90,
-                   r.end,
+                   r.last_done,
                    said.count("autoscaler: out"), said.count("autoscaler: in"),
                    said.count("balancer:"), said.count("layout:"))
 

@@ -111,6 +111,7 @@ def test_one_server_uniform_load_no_overlap_is_the_roofline_sum(tmp_path):
     decode = head_s(1) + attention_s(1, 2, 2) + moe  # context and pairs: prompt + 1 token
     assert r.ttft[0] == pytest.approx(prefill, rel=1e-9)
     assert r.tpot[0] == pytest.approx(decode, rel=1e-9)
+    assert r.last_done == pytest.approx(prefill + decode, rel=1e-9)
     assert r.failed == 0 and r.steps == 2
 
 

@@ -80,6 +80,13 @@ class Result:
     steps: int
     log: list[str] = field(default_factory=list)
     paid: list[tuple[float, int]] = field(default_factory=list)  # (from, devices) changes
+    done_at: np.ndarray | None = None  # [N] when each request finished (nan: it did not)
+
+    @property
+    def last_done(self) -> float:
+        """When the last request that finished did (0 for none)."""
+        done = self.done_at[np.isfinite(self.done_at)] if self.done_at is not None else []
+        return float(done.max()) if len(done) else 0.0
 
     def attainment(self, ttft: float, tpot: float) -> float:
         """Share of all requests served within both targets (failed and unserved: missed)."""
@@ -114,6 +121,7 @@ class Simulator:
         n = len(traffic)
         self.ttft, self.tpot = np.full(n, np.nan), np.full(n, np.nan)
         self._first = np.full(n, np.nan)
+        self._done_at = np.full(n, np.nan)
         self.failed = 0
         self.log: list[str] = []
         self._queue: collections.deque[int] = collections.deque()
@@ -164,7 +172,7 @@ class Simulator:
                 self._start_step()
         self._pay(self.now)
         return Result(self.dep, self.ttft, self.tpot, self.failed, self._gpu_seconds, self.now,
-                      self._step, self.log, self._paid)
+                      self._step, self.log, self._paid, self._done_at)
 
     def _handle(self, kind: int, data) -> None:
         if kind == ARRIVE:
@@ -277,6 +285,7 @@ class Simulator:
     def _finish(self, r: int, now: float) -> None:
         out = int(self.traffic.output[r])
         self.tpot[r] = (now - self._first[r]) / (out - 1) if out > 1 else 0.0
+        self._done_at[r] = now
         for c in self.controllers:
             c.finished(float(self.ttft[r]), float(self.tpot[r]))
 
