@@ -224,8 +224,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
           f"({profile.sources['device']}), not a measurement.\n")
     print(table(candidates, slo, chosen))
     curve = args.out / "cost-curve.png"
-    plot_curve(candidates, slo, curve, f"{model.folder.name} on {profile.name}")
-    print(f"\ncost against SLO attainment: {curve}")
+    if plot_curve(candidates, slo, curve, f"{model.folder.name} on {profile.name}"):
+        print(f"\ncost against SLO attainment: {curve}")
+    else:
+        print("\nno cost curve: matplotlib is missing (pip install -e '.[bench]')")
     if chosen is None:
         print(f"no deployment searched meets the SLO; the best reached "
               f"{max(c.attainment for c in candidates):.1%} (widen --attention or "

@@ -32,8 +32,13 @@ def _num(x: float, scale: float) -> str:
     return "-" if not math.isfinite(x) else f"{x * scale:.2f}"
 
 
-def plot_curve(candidates: list[Candidate], slo: SLO, path: Path, title: str) -> None:
-    import matplotlib
+def plot_curve(candidates: list[Candidate], slo: SLO, path: Path, title: str) -> bool:
+    """The cost curve as a PNG; False (nothing written) where matplotlib is not installed (it
+    comes with the bench extra: pip install -e '.[bench]')."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -55,6 +60,7 @@ def plot_curve(candidates: list[Candidate], slo: SLO, path: Path, title: str) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+    return True
 
 
 def placement_file(dep: Deployment, model: ModelSpec, load: ExpertLoad) -> dict:
