@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from sglang_eaas.balance.policy import BalancePolicy, BalanceSettings
 from sglang_eaas.deploy.config import load_config
@@ -328,8 +329,13 @@ def test_the_written_config_passes_the_deploy_commands_checks(tmp_path, dep, mon
         for layer in model.info.moe_layers:
             copies = sum(len(s.experts[layer]) for s in active)
             assert copies == model.info.num_experts + dep.hot_replicas
-    sizes = (tmp_path / "k8s-sizes.yaml").read_text()
-    assert f"replicas: {dep.expert_servers + dep.standby}" in sizes
+    sizes = yaml.safe_load((tmp_path / "k8s-sizes.yaml").read_text())
+    assert sizes["eaas-expert"]["replicas"] == dep.expert_servers + dep.standby
+    assert sizes["eaas-decode-lead"]["replicas"] + sizes["eaas-decode"]["replicas"] == \
+        dep.attention
+    manifests = "\n".join(p.read_text() for p in (ROOT / "deploy" / "k8s").glob("*.yaml"))
+    for role in sizes:  # each role is one the manifests name
+        assert f"name: {role}\n" in manifests, role
 
 
 # -- bad input -------------------------------------------------------------------------------
