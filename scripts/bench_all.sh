@@ -36,6 +36,8 @@ runs=(
   "scripts/bench_live_balance.py"
   "scripts/bench_balance_shift.py"
   "scripts/bench_esft.py"
+  "scripts/bench_plan.py"
+  "scripts/bench_plan_calibrate.py"
 )
 if (($#)); then
   picked=()

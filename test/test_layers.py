@@ -27,6 +27,7 @@ LAYERS = (
     {"launcher"},
     {"plugin"},  # the hook table: on top of everything it hooks
     {"tools", "deploy"},  # commands (deploy: a whole local deployment)
+    {"plan"},  # the capacity planner: over everything, its configs checked by deploy's checks
 )
 LEVEL = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 ROOT = "sglang_eaas"  # the package's __init__: on top, it exports sglang_eaas.Engine lazily

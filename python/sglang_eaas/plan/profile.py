@@ -1,0 +1,149 @@
+"""A hardware profile (``PROFILE.yaml``): what one device and the fabric between devices can do,
+and what a device costs. Shipped: ``profiles/h100.yaml`` and ``h200.yaml`` (published
+specifications), ``cpu-here.yaml`` (this machine, fitted by ``scripts/bench_plan_calibrate.py``).
+
+Format (every number positive; ``source`` says where each block's numbers come from)::
+
+    name: h100
+    device:
+      memory_bandwidth: 3.35e12     # bytes/s
+      flops: {bfloat16: 9.89e14, float32: 6.7e13}   # dense FLOP/s per dtype
+      memory: 8.0e10                # bytes
+      source: "..."
+    fabric:
+      intra_node: {bandwidth: 4.5e11, message_s: 2.0e-6, source: "..."}  # bytes/s, s/message
+      inter_node: {bandwidth: 5.0e10, message_s: 4.0e-6, source: "..."}
+      serial_messages: false        # true: an endpoint pays each message's fixed cost in
+                                    #   turn (a CPU thread); false: once (all in flight)
+      call_s: 0                     # seconds an endpoint works per dispatch or combine
+                                    #   outside its messages (a CPU client's routing and
+                                    #   sums); default 0
+    gpus_per_node: 8
+    price_per_gpu_hour: 2.5
+    price_source: "..."
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from sglang_eaas.plan.errors import PlanInputError
+
+PROFILES = Path(__file__).with_name("profiles")
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s, one direction, one endpoint
+    message_s: float  # fixed cost of one message, seconds
+
+    def message(self, nbytes: float) -> float:
+        """Seconds one message of ``nbytes`` takes on this link."""
+        return self.message_s + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Device:
+    memory_bandwidth: float  # bytes/s
+    flops: Mapping[str, float]  # dtype -> dense FLOP/s
+    memory: float  # bytes
+
+    def peak(self, dtype: str) -> float:
+        """Dense FLOP/s for ``dtype`` (float16 reads bfloat16's where only that is given)."""
+        for name in (dtype, "bfloat16" if dtype == "float16" else dtype):
+            if name in self.flops:
+                return self.flops[name]
+        raise PlanInputError(f"the profile gives no FLOP/s for {dtype} (device.flops has "
+                             f"{', '.join(self.flops)})")
+
+    def roofline(self, nbytes: float, flops: float, dtype: str) -> float:
+        """Seconds of work that reads ``nbytes`` and computes ``flops``: the slower of the two."""
+        return max(nbytes / self.memory_bandwidth, flops / self.peak(dtype))
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    device: Device
+    intra_node: Link
+    inter_node: Link
+    gpus_per_node: int
+    price_per_gpu_hour: float
+    sources: Mapping[str, str]  # block -> where its numbers come from
+    serial_messages: bool = False  # an endpoint pays each message's fixed cost in turn
+    call_s: float = 0.0  # an endpoint's own work per dispatch or combine, outside messages
+
+    def link(self, node_a: int, node_b: int) -> Link:
+        return self.intra_node if node_a == node_b else self.inter_node
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """A profile file, or the name of a shipped one (``h100``); ``PlanInputError`` in one
+    sentence for anything else."""
+    import yaml
+
+    path = Path(path)
+    if not path.suffix and (PROFILES / f"{path}.yaml").is_file():
+        path = PROFILES / f"{path}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        shipped = ", ".join(sorted(p.stem for p in PROFILES.glob("*.yaml")))
+        raise PlanInputError(f"--hardware: cannot read {path} ({exc.strerror}); give a profile "
+                             f"file or one of {shipped}") from None
+    except yaml.YAMLError:
+        raise PlanInputError(f"--hardware: {path} is not valid YAML") from None
+    return parse_profile(data, str(path))
+
+
+def parse_profile(data: Any, where: str = "<profile>") -> HardwareProfile:
+    top = _mapping(where, data)
+    device = _mapping(f"{where}: device", top.get("device"))
+    flops = _mapping(f"{where}: device.flops", device.get("flops"))
+    made = Device(_positive(where, "device.memory_bandwidth", device.get("memory_bandwidth")),
+                  {str(k): _positive(where, f"device.flops.{k}", v) for k, v in flops.items()},
+                  _positive(where, "device.memory", device.get("memory")))
+    fabric = _mapping(f"{where}: fabric", top.get("fabric"))
+    links = {}
+    for name in ("intra_node", "inter_node"):
+        link = _mapping(f"{where}: fabric.{name}", fabric.get(name))
+        links[name] = Link(_positive(where, f"fabric.{name}.bandwidth", link.get("bandwidth")),
+                           _positive(where, f"fabric.{name}.message_s", link.get("message_s")))
+    gpus = top.get("gpus_per_node")
+    if type(gpus) is not int or gpus < 1:
+        raise PlanInputError(f"{where}: gpus_per_node must be a positive integer, got {gpus!r}")
+    sources = {"device": str(device.get("source", "not stated")),
+               **{name: str(_mapping("", fabric[name]).get("source", "not stated"))
+                  for name in links},
+               "price": str(top.get("price_source", "not stated"))}
+    return HardwareProfile(
+        str(top.get("name", Path(where).stem)),
+        made, links["intra_node"], links["inter_node"], gpus,
+        _positive(where, "price_per_gpu_hour", top.get("price_per_gpu_hour")), sources,
+        _flag(where, "fabric.serial_messages", fabric.get("serial_messages", False)),
+        _positive(where, "fabric.call_s", fabric["call_s"]) if fabric.get("call_s") else 0.0)
+
+
+def _flag(where: str, field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise PlanInputError(f"{where}: {field} must be true or false, got {value!r}")
+    return value
+
+
+def _mapping(where: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise PlanInputError(f"{where} must be a mapping, got {value!r:.40}")
+    return value
+
+
+def _positive(where: str, field: str, value: Any) -> float:
+    if isinstance(value, str):  # YAML 1.1 reads 4.5e11 (no sign in the exponent) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise PlanInputError(f"{where}: {field} must be a positive number, got {value!r}")
+    return float(value)
