@@ -388,14 +388,32 @@ def report(out: Report, args, info, experts, slots, results: list[Result]) -> Re
             f"**{'met' if cut >= GOAL_CUT else 'NOT met'}** ({excess_p:.3f} against "
             f"{excess_r:.3f}: {cut:.0%} less).")
         if fits:
-            floor = statistics.median(f["phase"] for f in fits)
-            verdict.append(
-                f"Bound: hindsight placement per phase {floor:.3f} "
-                + (f"> {GOAL_RATIO}: the ratio goal is out of reach of any placement on this "
-                   "traffic here." if floor > GOAL_RATIO else f"<= {GOAL_RATIO}: the goal is "
-                   "reachable by placement alone; what predictive misses is lag or planning."))
+            verdict.append(bound_verdict(
+                statistics.median(f["phase"] for f in fits),
+                statistics.median(f["interval"] for f in fits),
+                {policy: statistics.median(r.ratio for r in rs) for policy, rs in by.items()
+                 if rs}))
     out.add("\n\n".join(verdict))
     return out
+
+
+def bound_verdict(per_phase: float, per_interval: float, medians: dict[str, float]) -> str:
+    """What the hindsight bounds say of the ratio goal. Only the per-interval fit bounds every
+    policy (one placement per phase is beaten by a policy that re-places within a phase), so it
+    alone can put the goal out of reach; a measured policy at or under the goal shows it in
+    reach."""
+    best = min(medians, key=medians.get)
+    head = (f"Bound: hindsight placement per phase {per_phase:.3f}, per interval "
+            f"{per_interval:.3f}; best measured policy {best} {medians[best]:.3f}. ")
+    if per_interval > GOAL_RATIO:
+        return head + (f"Even a placement fitted to each interval's own load stays above "
+                       f"{GOAL_RATIO}: the ratio goal is out of reach of any placement here.")
+    if medians[best] <= GOAL_RATIO:
+        return head + (f"{best} reaches the ratio goal ({GOAL_RATIO}) on this traffic: "
+                       "whatever misses it is that policy's, not this machine's.")
+    return head + (f"No policy measured reaches {GOAL_RATIO}, but a placement per interval "
+                   "does: the goal is in reach of placement; the policies' estimates or lag "
+                   "miss it.")
 
 
 def main() -> int:

@@ -134,13 +134,18 @@ def test_sglang_dtype_spellings_reach_one_local_server(tiny_qwen3):
     one server sums a token's experts itself, and the fast kernel's float16 sums differ from
     SGLang's in the last bits (exact only in float32's token outputs, as the equality tests
     say)."""
-    mono = start_server(tiny_qwen3, "--dtype", "half", name="monolithic-half")
-    try:
-        expected = greedy_tokens(mono)
-    finally:
-        mono.stop()
-    tokens, log = _run_eaas(tiny_qwen3, "--dtype", "half", "--eaas-expert-servers", "local:1",
-                            "--eaas-kernel", "reference", name="eaas-half-local1")
+    def monolithic() -> list[list[int]]:
+        mono = start_server(tiny_qwen3, "--dtype", "half", name="monolithic-half")
+        try:
+            return greedy_tokens(mono)
+        finally:
+            mono.stop()
+
+    with ThreadPoolExecutor(2) as pool:  # both at once: their start-up is mostly imports
+        expected = pool.submit(monolithic)
+        eaas = pool.submit(_run_eaas, tiny_qwen3, "--dtype", "half", "--eaas-expert-servers",
+                           "local:1", "--eaas-kernel", "reference", name="eaas-half-local1")
+        (tokens, log), expected = eaas.result(), expected.result()
     assert tokens == expected
     assert log.count("sglang-eaas expert server ready") == 1
 
