@@ -286,10 +286,20 @@ def main() -> int:
         fitted["device"]["source"] = "fitted by scripts/bench_plan_calibrate.py (kernel)"
         fitted["fabric"]["intra_node"]["source"] = ("fitted by scripts/bench_plan_calibrate.py "
                                                     "(shm slot echoes)")
-        args.write_profile.write_text(header + yaml.safe_dump(fitted, sort_keys=False))
+        args.write_profile.write_text(header + yaml.safe_dump(plain(fitted), sort_keys=False))
         say(f"profile written to {args.write_profile}")
     report.save()
     return 0
+
+
+
+def plain(value):
+    """``value`` with NumPy's scalars made Python's (what yaml.safe_dump can write)."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value.item() if hasattr(value, "item") else value
 
 
 if __name__ == "__main__":
