@@ -24,7 +24,7 @@ from sglang_eaas.protocol.control import probe
 from tier_steps import one_step, routed_batch, wait_until
 
 TOKEN = os.environ["SGLANG_EAAS_TOKEN"]
-HEARTBEAT, LOSS = 0.1, 0.6
+HEARTBEAT, LOSS = 0.1, 2.0
 
 
 def _replicas(target: Holdings, layer: int) -> dict[int, int]:

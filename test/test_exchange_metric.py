@@ -56,7 +56,7 @@ def test_an_exchange_is_the_busiest_server_over_the_mean_of_the_tables_servers()
 
 @pytest.fixture(scope="module")
 def tier(tiny_qwen3):
-    monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=0.4)).start()
+    monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=2.0)).start()
     log = open_log("exchange-metric")
     servers = start_local_servers(tiny_qwen3, REPLICATED, "float32", max_clients=4,
                                   extra_args=("--monitor", monitor.address, "--heartbeat", "0.1"),

@@ -248,7 +248,7 @@ def test_clients_and_servers_count_the_same_and_a_failover_counts_once(tiny_qwen
     from sglang_eaas.model_info import MoeModelInfo
 
     info = MoeModelInfo.from_model_path(tiny_qwen3)
-    monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=0.4)).start()
+    monitor = MonitorServer(MonitorConfig(token=TOKEN, loss_timeout=2.0)).start()
     log = open_log("load-recording-failover")
     servers = start_local_servers(tiny_qwen3, REPLICATED, "float32", max_clients=4,
                                   extra_args=("--monitor", monitor.address, "--heartbeat",
