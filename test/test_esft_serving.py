@@ -75,9 +75,9 @@ def adapters(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def expected(adapters, tmp_path_factory) -> dict[str | None, list[list[int]]]:
+def expected(adapters, eaas_starting, tmp_path_factory) -> dict[str | None, list[list[int]]]:
     """Adapter (None: the base model) -> its greedy tokens, served monolithically from its
-    merged checkpoint."""
+    merged checkpoint (while the --eaas server starts: ``eaas_starting``)."""
     merged = tmp_path_factory.mktemp("merged")
     server = start_server(MODEL, name="esft-monolithic")
     try:
@@ -96,18 +96,32 @@ def expected(adapters, tmp_path_factory) -> dict[str | None, list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def eaas(adapters, tmp_path_factory):
+def eaas_starting(adapters, tmp_path_factory):
+    """The --eaas server, started on a thread: its start overlaps the monolithic one's and the
+    merges in ``expected`` (start-up is mostly single-threaded imports)."""
     placement = tmp_path_factory.mktemp("placement") / "placement.json"
     every = {str(layer): list(range(INFO.num_experts)) for layer in INFO.moe_layers}
     placement.write_text(json.dumps({"servers": {f"local:{i}": every for i in range(3)}}))
     monitor = f"127.0.0.1:{free_port()}"
     launched = ",".join(f"{n}={p}" for n, p in adapters.items() if n != "twin-b")
-    server = start_server(MODEL, "--eaas", "--eaas-placement", str(placement),
-                          "--eaas-monitor", f"embedded:{monitor}", "--eaas-esft-adapters",
-                          launched, "--eaas-esft-replicas", str(REPLICAS), name="esft-eaas")
-    server.monitor = monitor
-    yield server
-    server.stop()
+
+    def start():
+        server = start_server(MODEL, "--eaas", "--eaas-placement", str(placement),
+                              "--eaas-monitor", f"embedded:{monitor}", "--eaas-esft-adapters",
+                              launched, "--eaas-esft-replicas", str(REPLICAS), name="esft-eaas")
+        server.monitor = monitor
+        return server
+
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(start)
+        yield future
+    if future.exception() is None:
+        future.result().stop()
+
+
+@pytest.fixture(scope="module")
+def eaas(eaas_starting, expected):
+    return eaas_starting.result()
 
 
 def _tokens(server, adapter: str | None = None) -> list[list[int]]:

@@ -73,6 +73,45 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
     assert book.unattributed == 0
 
 
+def test_the_requests_to_come_look_like_those_that_started_in_the_last_window():
+    """After the mix shifts, the forecast's requests-to-come are spread as the prompts of the
+    requests that started over the last ``steps`` steps, not older ones; where fewer than
+    ``RECENT_ARRIVALS`` started then, as the latest ``RECENT_ARRIVALS``."""
+    from sglang_eaas.balance.forecast import RECENT_ARRIVALS
+
+    book = RoutingBook(LAYERS, E, K)
+
+    def step(requests: list[StepRequest], expert: int) -> None:
+        rows = sum(r.rows for r in requests)
+        ids = np.full((rows, K), -1)
+        ids[:, 0] = expert
+        for layer in LAYERS:
+            book.note(layer, ids)
+        book.end_step(requests)
+
+    starts = {}  # request -> the step of its first decode
+    for i, expert in enumerate([0] * 8 + [1] * RECENT_ARRIVALS):  # the mix shifts to expert 1
+        step([StepRequest(f"r{i}", 2, False, 1)], expert)  # a 2-row prompt on `expert`
+        step([StepRequest(f"r{i}", 1, True, 0, finished=True)], -1)  # one token, and it ends
+        starts[f"r{i}"] = book.steps
+    step([StepRequest("running", 1, False, 100)], -1)  # running, no entries yet
+
+    def expected(steps: int) -> np.ndarray:  # all of it requests to come: steps * K entries
+        recent = [k for k, s in starts.items() if s > book.steps - steps]
+        if len(recent) < RECENT_ARRIVALS:
+            recent = list(starts)[-RECENT_ARRIVALS:]
+        share = np.zeros((len(LAYERS), E))
+        share[:, 1] = sum(int(k[1:]) >= 8 for k in recent) / len(recent)  # the new mix's
+        share[:, 0] = 1 - share[:, 1]
+        return steps * K * share
+
+    assert np.allclose(book.forecast(8), expected(8))  # the new mix only
+    assert expected(8)[0, 0] == 0 and expected(8)[0, 1] == 8 * K
+    assert np.allclose(book.forecast(2), expected(2))  # one started: the latest 4, all new
+    assert np.allclose(book.forecast(16), expected(16))  # 4 old and 4 new
+    assert expected(16)[0, 0] == expected(16)[0, 1] == 8 * K
+
+
 def test_rows_that_do_not_tile_the_step_are_left_out_and_counted():
     book = RoutingBook(LAYERS, E, K)
     ids = np.zeros((4, K), dtype=np.int64)

@@ -200,6 +200,9 @@ class EaasConfig:
     balance: BalanceSettings | None = None  # --eaas-balance reactive|predictive (None: off)
     max_servers: int | None = None  # --eaas-max-servers (None: what the placement can use)
     suspect_timeout: float = SUSPECT_TIMEOUT  # an embedded monitor's
+    # Torch intra-op threads of each SGLang rank; None: SGLang's (all usable cores). Set by the
+    # launcher where it starts local expert servers (cores.rank_threads).
+    rank_threads: int | None = None
 
     def adapter_slots(self, num_experts: int) -> int:
         """Expert ids per MoE layer past the model's ``num_experts`` (0 without ESFT)."""

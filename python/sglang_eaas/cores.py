@@ -26,6 +26,18 @@ def shares_cores(local_servers: int, ranks: int) -> bool:
     return local_servers > 0 and local_servers + ranks > usable_cores()
 
 
+def rank_threads(local_servers: int, ranks: int) -> int | None:
+    """Torch intra-op threads for each SGLang rank on a CPU host where ``local_servers`` expert
+    servers (one thread each) run beside ``ranks`` ranks: the cores the servers leave, split over
+    the ranks, at least one; None without local servers (SGLang's choice stands). A rank's
+    threads past that do not speed its own work up while a layer is at the servers: an OpenMP
+    worker that waits for the next parallel region busy-spins, on a core a server needed
+    (docs/cpu-runtime.md, "Threads of the ranks")."""
+    if local_servers <= 0:
+        return None
+    return max(1, (usable_cores() - local_servers) // max(1, ranks))
+
+
 def planned_local_servers(cfg: EaasConfig) -> int:
     """How many expert servers the launcher will start for ``cfg`` (0: all started
     separately), as ``launcher.prepare.prepare_expert_servers`` decides it."""

@@ -29,7 +29,8 @@ import numpy as np
 
 
 MISSED = 2  # complete steps in a row a running request may be missing from before it leaves
-ARRIVALS = 32  # the latest requests whose prompt routing stands for the ones still to come
+ARRIVALS = 64  # requests whose prompt routing is kept to stand for the ones still to come
+RECENT_ARRIVALS = 4  # at least so many of the latest stand for them, however long ago
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,10 @@ class RoutingBook:
         self._seen = np.zeros(0, dtype=np.int64)  # the last step each slot's request was in
         self._missed = np.zeros(0, dtype=np.int64)  # complete steps in a row it was not in
         self._started = np.zeros(0, dtype=bool)  # whether it decoded (its prompt is counted)
-        # the latest requests' prompt routing, each [L, E] normalised per layer
-        self._arrivals: collections.deque[np.ndarray] = collections.deque(maxlen=ARRIVALS)
+        # the latest requests' prompt routing, each [L, E] normalised per layer, with the step
+        # of their first decode
+        self._arrivals: collections.deque[tuple[int, np.ndarray]] = collections.deque(
+            maxlen=ARRIVALS)
         self._decoded = np.zeros((len(self.layers), num_experts), dtype=np.int64)
         self._decode_steps = 0
         self.steps = 0
@@ -131,8 +134,8 @@ class RoutingBook:
                 prompt = self._counts[slot].astype(np.float64)
                 total = prompt.sum(axis=1, keepdims=True)
                 if total.any():
-                    self._arrivals.append(np.divide(prompt, total, out=np.zeros_like(prompt),
-                                                    where=total > 0))
+                    self._arrivals.append((self.steps, np.divide(
+                        prompt, total, out=np.zeros_like(prompt), where=total > 0)))
             self._counts[slots] += counts.transpose(1, 0, 2)
             self._remaining[slots] = [r.remaining for r in requests]
             self._seen[slots] = self.steps
@@ -196,15 +199,17 @@ class RoutingBook:
         request makes ``min(steps, remaining) * top_k`` per layer, spread as its profile spreads
         them (a request with no entries yet in a layer adds none there). The tier keeps about as
         many requests running, so the steps' other entries (``steps * running * top_k`` less
-        those) are the requests that will replace the ones that end: spread as the latest
-        ``ARRIVALS`` requests' prompts spread theirs (their prefill, seen a request's lifetime
-        before their decode shows in any counter)."""
+        those) are the requests that will replace the ones that end: spread as the prompts of the
+        requests that started over the last ``steps`` steps spread theirs (at least the latest
+        ``RECENT_ARRIVALS``): the window just past stands for the next one, so a shift of the mix
+        shows in it within a window (a prompt's routing is seen a request's lifetime before its
+        decode shows in any counter)."""
         began = time.perf_counter()
         with self._lock:
             live = np.fromiter(self._slot.values(), dtype=np.int64)
             counts = self._counts[live].astype(np.float64)  # a copy: the step goes on
             remaining = self._remaining[live]
-            arrivals = list(self._arrivals)
+            arrivals = self._recent_arrivals(steps)
         total = counts.sum(axis=2, keepdims=True)
         share = np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
         weight = np.minimum(steps, remaining).astype(np.float64) * self.top_k
@@ -214,6 +219,14 @@ class RoutingBook:
             out += rest[:, None] * np.mean(arrivals, axis=0)
         self.cost += time.perf_counter() - began
         return out
+
+    def _recent_arrivals(self, steps: int) -> list[np.ndarray]:
+        """Under the lock: the prompt routing of the requests whose first decode step was one
+        of the last ``steps``; where fewer started then, the latest ``RECENT_ARRIVALS``."""
+        recent = [p for step, p in self._arrivals if step > self.steps - steps]
+        if len(recent) >= RECENT_ARRIVALS:
+            return recent
+        return [p for _, p in list(self._arrivals)[-RECENT_ARRIVALS:]]
 
     def step_seconds(self) -> float | None:
         """The mean time between the last steps' ends (None before two)."""

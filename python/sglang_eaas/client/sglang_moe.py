@@ -37,6 +37,7 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
 
         cfg, server_args = eaas_config.current(), get_server_args()
         assert isinstance(cfg.expert_servers, eaas_config.RemoteServers), cfg
+        _limit_threads(cfg.rank_threads, server_args)
         name = f"{socket.gethostname()}:{os.getpid()}"
         info = MoeModelInfo.from_model_path(server_args.model_path)
         expected = cfg.placement.holdings(info.moe_layers) if cfg.placement else None
@@ -68,6 +69,24 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
             logger.info("sglang-eaas: --eaas-balance %s over the tier of monitor %s",
                         cfg.balance.mode, cfg.monitor)
     return _client
+
+
+def _limit_threads(threads: int | None, server_args: Any) -> None:
+    """On a CPU, this rank's torch intra-op threads become ``threads`` (the cores the local
+    expert servers leave: ``cores.rank_threads``), unless the user chose them
+    (``OMP_NUM_THREADS``)."""
+    if threads is None or getattr(server_args, "device", None) != "cpu":
+        return
+    if os.environ.get("OMP_NUM_THREADS"):
+        logger.info("sglang-eaas: OMP_NUM_THREADS=%s given: this rank keeps %d torch threads "
+                    "(the local expert servers leave it %d cores)",
+                    os.environ["OMP_NUM_THREADS"], torch.get_num_threads(), threads)
+        return
+    if torch.get_num_threads() > threads:
+        logger.info("sglang-eaas: this rank runs %d torch thread(s), not %d: the local expert "
+                    "servers take the other cores (OMP_NUM_THREADS overrides)", threads,
+                    torch.get_num_threads())
+        torch.set_num_threads(threads)
 
 
 def overlapped(server_args: Any) -> bool:

@@ -32,7 +32,7 @@ from sglang_eaas.config import (
     LocalSpawn,
     RemoteServers,
 )
-from sglang_eaas.cores import shares_cores
+from sglang_eaas.cores import rank_threads, shares_cores
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.membership import EMBEDDED, connect
@@ -148,7 +148,8 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
             wait_registered(cfg.monitor, [s.address for s in local])
         return dataclasses.replace(cfg, expert_servers=RemoteServers(
             tuple(s.address for s in local)), placement=None, transport=backend, spawn=spawn,
-            poll_spin_us=client_poll_spin_us(cfg.poll_spin_us, len(placements), num_ranks))
+            poll_spin_us=client_poll_spin_us(cfg.poll_spin_us, len(placements), num_ranks),
+            rank_threads=rank_threads(len(placements), num_ranks))
     if not envs.TOKEN.get():
         raise TransportError(f"expert servers started separately need their shared token: set "
                              f"{envs.TOKEN.name} or pass --eaas-token")
