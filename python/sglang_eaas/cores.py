@@ -1,10 +1,11 @@
 """Whether the launcher's local expert servers share the cores of SGLang's ranks.
 
 There, every core a waiting rank spins on and every extra pass over the experts' weights is
-taken from the processes it waits for. Two defaults follow from it: the ranks do not busy-poll
-for results (``launcher.prepare.client_poll_spin_us``) and ``--eaas`` does not turn on
+taken from the processes it waits for. Three defaults follow from it: the ranks do not
+busy-poll for results (``launcher.prepare.client_poll_spin_us``), ``--eaas`` does not turn on
 two-batch overlap, which makes the servers read each active expert's weights once per
-micro-batch (``client.overlap.resolve``).
+micro-batch (``client.overlap.resolve``), and each rank runs only the torch threads the local
+servers leave it (``rank_threads``).
 """
 
 from __future__ import annotations
