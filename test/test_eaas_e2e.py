@@ -8,9 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
+import torch
 from conftest import MAX_NEW_TOKENS, PROMPTS, greedy_tokens, open_log, start_server
 from hf_reference import hf_greedy
 
+from sglang_eaas import cores, cpu_runtime
 from sglang_eaas.launcher.local_servers import start_local_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_only]  # SGLang through the CPU runtime
@@ -50,6 +52,10 @@ def test_continuous_batching_chunked_prefill_and_radix_cache(monolithic_qwen3, t
     assert together == alone and again == alone
     assert re.search(r"#new-seq: [2-9]", log)  # requests really were batched (one prefill)
     assert re.search(r"#cached-token: [1-9]", log)  # and the radix cache was hit
+    # the rank runs the torch threads its 2 local servers leave it (one on 2 cores)
+    threads = cores.rank_threads(2, 1)
+    if cpu_runtime.is_active() and threads < torch.get_num_threads():
+        assert f"this rank runs {threads} torch thread(s), not {torch.get_num_threads()}" in log
 
 
 def test_mixtral(tiny_mixtral):
