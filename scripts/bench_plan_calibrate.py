@@ -292,7 +292,6 @@ def main() -> int:
     return 0
 
 
-
 def plain(value):
     """``value`` with NumPy's scalars made Python's (what yaml.safe_dump can write)."""
     if isinstance(value, dict):
