@@ -110,6 +110,14 @@ def test_the_requests_to_come_look_like_those_that_started_in_the_last_window():
     assert np.allclose(book.forecast(2), expected(2))  # one started: the latest 4, all new
     assert np.allclose(book.forecast(16), expected(16))  # 4 old and 4 new
     assert expected(16)[0, 0] == expected(16)[0, 1] == 8 * K
+    # the prompts to come: 2 entries per layer for each prompt started in the window, spread
+    # as the requests to come
+    for steps in (2, 8, 16):
+        started = sum(s > book.steps - steps for s in starts.values())
+        assert started == {2: 1, 8: 4, 16: 8}[steps]
+        assert np.allclose(book.coming_prefill(steps),
+                           2 * started * expected(steps) / (steps * K))
+    assert book.coming_prefill(1).sum() == 0  # none started in the last step
 
 
 def test_rows_that_do_not_tile_the_step_are_left_out_and_counted():

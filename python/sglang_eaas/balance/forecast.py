@@ -9,6 +9,10 @@ forecast of the next ``steps`` decode steps is the sum over running requests of
 (``remaining``: the tokens it may still generate). Requests still in SGLang's queue have no
 routing yet and are not in it; they show up at their prefill, a step after admission.
 
+The servers count prefill entries too, and a prompt routes all its tokens at once: the entries
+of the prompts to come (``coming_prefill``) are those of the prompts that started over the last
+window, spread as they spread theirs. The balancer plans on the two summed.
+
 Its accuracy is judged against what the window then computed: ``load_overlap`` (the share of the
 window's decode entries on experts as often as forecast, ``balance/predictor.load_accuracy``'s
 measure, per MoE layer) next to the same measure for the reactive guess (the last window's
@@ -25,8 +29,6 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
-
-
 
 MISSED = 2  # complete steps in a row a running request may be missing from before it leaves
 ARRIVALS = 64  # requests whose prompt routing is kept to stand for the ones still to come
@@ -70,8 +72,7 @@ class RoutingBook:
         self._seen = np.zeros(0, dtype=np.int64)  # the last step each slot's request was in
         self._missed = np.zeros(0, dtype=np.int64)  # complete steps in a row it was not in
         self._started = np.zeros(0, dtype=bool)  # whether it decoded (its prompt is counted)
-        # the latest requests' prompt routing, each [L, E] normalised per layer, with the step
-        # of their first decode
+        # the latest requests' prompt entries [L, E], with the step of their first decode
         self._arrivals: collections.deque[tuple[int, np.ndarray]] = collections.deque(
             maxlen=ARRIVALS)
         self._decoded = np.zeros((len(self.layers), num_experts), dtype=np.int64)
@@ -132,10 +133,8 @@ class RoutingBook:
             for slot in slots[decode & ~self._started[slots]]:  # a first decode step: its
                 self._started[slot] = True  # prompt's routing is what arrivals look like
                 prompt = self._counts[slot].astype(np.float64)
-                total = prompt.sum(axis=1, keepdims=True)
-                if total.any():
-                    self._arrivals.append((self.steps, np.divide(
-                        prompt, total, out=np.zeros_like(prompt), where=total > 0)))
+                if prompt.any():
+                    self._arrivals.append((self.steps, prompt))
             self._counts[slots] += counts.transpose(1, 0, 2)
             self._remaining[slots] = [r.remaining for r in requests]
             self._seen[slots] = self.steps
@@ -216,13 +215,27 @@ class RoutingBook:
         out = np.einsum("r,rle->le", weight, share)
         if arrivals:
             rest = np.maximum(0.0, steps * len(live) * self.top_k - out.sum(axis=1))
-            out += rest[:, None] * np.mean(arrivals, axis=0)
+            out += rest[:, None] * _spread(arrivals)
+        self.cost += time.perf_counter() - began
+        return out
+
+    def coming_prefill(self, steps: int) -> np.ndarray:
+        """``[L, E]`` float64: the prefill entries of the next ``steps`` steps, taken to be
+        as many per layer as the prompts of the requests that started over the last ``steps``
+        steps made, spread as ``forecast`` spreads the requests to come."""
+        began = time.perf_counter()
+        with self._lock:
+            arrivals = self._recent_arrivals(steps)
+            window = [p for step, p in self._arrivals if step > self.steps - steps]
+        out = np.zeros((len(self.layers), self.num_experts))
+        if window:
+            out = np.sum(window, axis=0).sum(axis=1, keepdims=True) * _spread(arrivals)
         self.cost += time.perf_counter() - began
         return out
 
     def _recent_arrivals(self, steps: int) -> list[np.ndarray]:
-        """Under the lock: the prompt routing of the requests whose first decode step was one
-        of the last ``steps``; where fewer started then, the latest ``RECENT_ARRIVALS``."""
+        """Under the lock: the prompt entries of the requests whose first decode step was
+        one of the last ``steps``; where fewer started then, the latest ``RECENT_ARRIVALS``."""
         recent = [p for step, p in self._arrivals if step > self.steps - steps]
         if len(recent) >= RECENT_ARRIVALS:
             return recent
@@ -240,6 +253,14 @@ class RoutingBook:
             decoded, self._decoded = self._decoded, np.zeros_like(self._decoded)
             steps, self._decode_steps = self._decode_steps, 0
         return decoded, steps
+
+
+def _spread(prompts: list[np.ndarray]) -> np.ndarray:
+    """``[L, E]``: the mean of the prompts' entries, each normalised to sum 1 per layer (a
+    prompt with none in a layer adds nothing there)."""
+    stacked = np.stack(prompts)
+    total = stacked.sum(axis=2, keepdims=True)
+    return np.divide(stacked, total, out=np.zeros_like(stacked), where=total > 0).mean(axis=0)
 
 
 def _host(ids) -> np.ndarray:

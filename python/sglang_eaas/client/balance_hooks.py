@@ -8,7 +8,9 @@ A thread of rank 0's scheduler process looks at the tier every ``period`` second
 * the estimate: ``predictive``, the forecast of the next ``horizon`` seconds of decode load
   from the running requests' routing (``balance/forecast.RoutingBook``, which this rank's
   client fills from each step's rows: ``client/steps.py``), the steps in it from the step
-  time; ``reactive``, the entries the servers computed over the last ``horizon`` seconds;
+  time, plus the prefill entries of the prompts to come (``coming_prefill``: as many as the
+  last horizon's); ``reactive``, the entries the servers computed over the last ``horizon``
+  seconds;
 * the decision (``balance/policy.BalancePolicy``) and, when it says so, the re-placement as one
   operation of the tier controller (``controller/rebalance.rebalance``), logged with its reason.
 
@@ -101,7 +103,9 @@ class TierBalancer:
             forecast = book.forecast(steps)
             self._judge(book)
             self._guesses = {"predictive": forecast, "reactive": recent}
-        estimate = forecast if self.settings.mode == "predictive" else recent
+        estimate = recent
+        if self.settings.mode == "predictive" and book is not None:  # the servers count both
+            estimate = forecast + book.coming_prefill(steps)
         slots = self.settings.slots or max(1, fullest(current))
         look, chosen = self.policy.look(now, estimate, current, slots)
         if self.metrics is not None:
