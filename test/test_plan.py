@@ -19,7 +19,7 @@ from sglang_eaas.deploy.config import load_config
 from sglang_eaas.elastic.autoscaler import Autoscaler, AutoscalePolicy
 from sglang_eaas.elastic.layout_policy import LayoutChooser, LayoutPolicy
 from sglang_eaas.plan.__main__ import main
-from sglang_eaas.plan.cost import fabric_phase
+from sglang_eaas.plan.cost import expert_costs, fabric_phase, shared_cores
 from sglang_eaas.plan.deployment import Deployment
 from sglang_eaas.plan.load import ExpertLoad, zipf_load
 from sglang_eaas.plan.model import ModelSpec
@@ -28,6 +28,7 @@ from sglang_eaas.plan.policies import AutoscaleLoop, BalanceLoop, LayoutLoop
 from sglang_eaas.plan.profile import parse_profile
 from sglang_eaas.plan.search import Candidate
 from sglang_eaas.plan.sim import Failure, SimSettings, Simulator, simulate
+from sglang_eaas.plan.tier import Tier
 from sglang_eaas.plan.traffic import Lengths, Traffic, poisson
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,6 +151,51 @@ def test_fabric_message_is_fixed_cost_plus_size_over_bandwidth():
     # a server on the client's node: the intra-node link
     assert fabric_phase(np.array([10.0]), 1, np.array([0]), np.array([0]), 100.0,
                         toy_profile()) == pytest.approx(FIXED_INTRA + 10 * 100 / BW_INTRA)
+
+
+def test_a_cpu_host_streams_then_multiplies_and_its_servers_share_its_cores(tmp_path):
+    """A CPU profile (``roofline: sum``, ``host_cores``, ``entry_s``): an expert costs its
+    weights' streaming plus its products; the servers of a node share its cores (none done
+    before the node's work over its cores); each phase costs the client's entries times
+    ``entry_s`` on top."""
+    model = toy_model(tmp_path)
+    cpu = {**_toy_dict(), "device": {**_toy_dict()["device"], "roofline": "sum"},
+           "gpus_per_node": 8, "host_cores": 2,
+           "fabric": {**_toy_dict()["fabric"], "entry_s": 0.25}}
+    n = 0.5  # entries per expert
+    expert_bytes, flops = 3 * H * I_ * 2, 2 * 3 * H * I_
+    one = (1 - math.exp(-n)) * expert_bytes / BW + n * flops / FLOPS
+    assert expert_costs(np.full(E, n), model, parse_profile(cpu).device) == pytest.approx(
+        np.full(E, one))
+    assert one > experts_s(n, experts=1)  # the GPU's roofline: the larger only
+    # 3 servers on one node of 2 cores, with 1, 1 and 2 experts (a 4th on the next node)
+    assert shared_cores(np.array([1.0, 1.0, 2.0, 1.0]), np.array([0, 0, 0, 1]), 2) == \
+        pytest.approx([2.0, 2.0, 2.0, 1.0])
+    assert shared_cores(np.array([1.0, 3.0]), np.array([0, 0]), 2) == pytest.approx([2.0, 3.0])
+    assert shared_cores(np.array([1.0, 3.0]), np.array([0, 0]), None) == pytest.approx([1, 3])
+    # 4 servers of one expert each, on one node: 4 experts' work over 2 cores
+    tier = Tier(Deployment(1, 4), model, parse_profile(cpu), (0,), uniform().shares)
+    own = Tier(Deployment(1, 4), model, parse_profile({**cpu, "host_cores": None}), (0,),
+               uniform().shares)
+    assert list(tier.server_nodes()) == [0, 0, 0, 0]
+    assert own.phase(0, E * n).times == pytest.approx(np.full(4, one))
+    assert tier.phase(0, E * n).times == pytest.approx(np.full(4, 4 * one / 2))
+    # the phase: one message to a server on another node, plus 0.25 s for each of 10 entries
+    assert fabric_phase(np.array([10.0]), 1, np.array([0]), np.array([1]), 100.0,
+                        parse_profile(cpu)) == pytest.approx(
+        FIXED_INTER + 10 * 100 / BW_INTER + 10 * 0.25)
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("device", {"memory_bandwidth": 1, "flops": {"bfloat16": 1}, "memory": 1,
+                "roofline": "min"}, "device.roofline must be max or sum"),
+    ("host_cores", 0, "host_cores must be a positive integer"),
+])
+def test_a_bad_cpu_host_field_is_named(field, value, says):
+    from sglang_eaas.plan.errors import PlanInputError
+
+    with pytest.raises(PlanInputError, match=says):
+        parse_profile({**_toy_dict(), field: value})
 
 
 def test_one_request_at_a_time_is_an_m_d_1_queue_littles_law(tmp_path):

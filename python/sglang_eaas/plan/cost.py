@@ -4,13 +4,17 @@
 * an expert with ``n`` entries on a server costs ``max(a(n) * bytes / bandwidth,
   n * flops / peak)``: its weights streamed once when it is active (``a(n) = 1 - exp(-n)``, the
   chance a Poisson count of mean ``n`` is not 0, as ``elastic/layout_cost.py`` takes it), its
-  products at the peak; a server's time is the sum over what it holds, and the busiest server
-  gates the layer;
+  products at the peak (the sum of the two where the profile's ``roofline`` is ``sum``: a CPU
+  core streams and multiplies in turn); a server's time is the sum over what it holds, and the
+  busiest server gates the layer; where the profile gives ``host_cores``, the servers of a
+  node share that many cores: none finishes before the node's work over its cores
+  (``shared_cores``);
 * a message costs the link's fixed cost plus its bytes over the link's bandwidth; an endpoint's
   bytes go one after the other, and so do its fixed costs where the profile says
   ``serial_messages`` (a CPU thread posting each message) or else once (a GPU's messages all in
   flight together); a phase (dispatch, combine) lasts as long as its busiest endpoint, plus the
-  profile's ``call_s`` (an endpoint's own work per phase outside its messages, 0 for GPUs);
+  profile's ``call_s`` and ``entry_s`` per entry of a client (an endpoint's own work per phase
+  outside its messages: routing, copies, sums; 0 for GPUs);
 * attention on an instance of ``g`` devices costs the roofline of its weights, the KV it reads
   and its FLOPs, over ``g`` devices;
 * a layer without overlap costs attention + dispatch + experts + combine; with two micro-batches
@@ -40,7 +44,17 @@ def expert_costs(n: np.ndarray, model: ModelSpec, device: Device, width: float =
     n = np.asarray(n, dtype=float)
     streamed = active(n) * model.expert_bytes * width / device.memory_bandwidth
     computed = n * model.expert_flops_per_entry * width / device.peak(model.info.dtype)
-    return np.maximum(streamed, computed)
+    return streamed + computed if device.serial else np.maximum(streamed, computed)
+
+
+def shared_cores(times: np.ndarray, nodes: np.ndarray, cores: int | None) -> np.ndarray:
+    """Each server's seconds where the servers of a node share ``cores`` cores (None: each
+    its own device): at least its node's total over the cores (processor sharing)."""
+    times = np.asarray(times, dtype=float)
+    if cores is None or len(times) == 0:
+        return times
+    per_node = np.bincount(nodes, weights=times)
+    return np.maximum(times, per_node[nodes] / cores)
 
 
 def fabric_phase(entries: np.ndarray, clients: int, client_nodes: np.ndarray,
@@ -64,7 +78,7 @@ def fabric_phase(entries: np.ndarray, clients: int, client_nodes: np.ndarray,
     else:  # every message in flight at once: its fixed cost once, the bytes one after another
         busiest = max((fixed.max(axis=1) + moved.sum(axis=1)).max(),
                       (fixed.max(axis=0) + moved.sum(axis=0)).max())
-    return float(busiest + profile.call_s)
+    return float(busiest + profile.call_s + profile.entry_s * entries.sum() / clients)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ Format (every number positive; ``source`` says where each block's numbers come f
       memory_bandwidth: 3.35e12     # bytes/s
       flops: {bfloat16: 9.89e14, float32: 6.7e13}   # dense FLOP/s per dtype
       memory: 8.0e10                # bytes
+      roofline: max                 # max: memory and compute overlap (a GPU); sum: one after
+                                    #   the other (a CPU core); default max
       source: "..."
     fabric:
       intra_node: {bandwidth: 4.5e11, message_s: 2.0e-6, source: "..."}  # bytes/s, s/message
@@ -18,7 +20,11 @@ Format (every number positive; ``source`` says where each block's numbers come f
       call_s: 0                     # seconds an endpoint works per dispatch or combine
                                     #   outside its messages (a CPU client's routing and
                                     #   sums); default 0
+      entry_s: 0                    # seconds an endpoint works per (token, expert) entry of
+                                    #   a phase outside its messages; default 0
     gpus_per_node: 8
+    host_cores: 2                   # the devices of a node are processes sharing this many
+                                    #   cores (a CPU host); omitted: each device is its own
     price_per_gpu_hour: 2.5
     price_source: "..."
 """
@@ -49,6 +55,7 @@ class Device:
     memory_bandwidth: float  # bytes/s
     flops: Mapping[str, float]  # dtype -> dense FLOP/s
     memory: float  # bytes
+    serial: bool = False  # memory and compute one after the other (``roofline: sum``)
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s for ``dtype`` (float16 reads bfloat16's where only that is given)."""
@@ -59,8 +66,10 @@ class Device:
                              f"{', '.join(self.flops)})")
 
     def roofline(self, nbytes: float, flops: float, dtype: str) -> float:
-        """Seconds of work that reads ``nbytes`` and computes ``flops``: the slower of the two."""
-        return max(nbytes / self.memory_bandwidth, flops / self.peak(dtype))
+        """Seconds of work that reads ``nbytes`` and computes ``flops``: the slower of the two
+        (``serial``: both, one after the other)."""
+        memory, compute = nbytes / self.memory_bandwidth, flops / self.peak(dtype)
+        return memory + compute if self.serial else max(memory, compute)
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,8 @@ class HardwareProfile:
     sources: Mapping[str, str]  # block -> where its numbers come from
     serial_messages: bool = False  # an endpoint pays each message's fixed cost in turn
     call_s: float = 0.0  # an endpoint's own work per dispatch or combine, outside messages
+    entry_s: float = 0.0  # an endpoint's own work per entry of a phase, outside messages
+    host_cores: int | None = None  # the cores a node's devices share (None: their own)
 
     def link(self, node_a: int, node_b: int) -> Link:
         return self.intra_node if node_a == node_b else self.inter_node
@@ -102,9 +113,12 @@ def parse_profile(data: Any, where: str = "<profile>") -> HardwareProfile:
     top = _mapping(where, data)
     device = _mapping(f"{where}: device", top.get("device"))
     flops = _mapping(f"{where}: device.flops", device.get("flops"))
+    roofline = device.get("roofline", "max")
+    if roofline not in ("max", "sum"):
+        raise PlanInputError(f"{where}: device.roofline must be max or sum, got {roofline!r}")
     made = Device(_positive(where, "device.memory_bandwidth", device.get("memory_bandwidth")),
                   {str(k): _positive(where, f"device.flops.{k}", v) for k, v in flops.items()},
-                  _positive(where, "device.memory", device.get("memory")))
+                  _positive(where, "device.memory", device.get("memory")), roofline == "sum")
     fabric = _mapping(f"{where}: fabric", top.get("fabric"))
     links = {}
     for name in ("intra_node", "inter_node"):
@@ -114,6 +128,9 @@ def parse_profile(data: Any, where: str = "<profile>") -> HardwareProfile:
     gpus = top.get("gpus_per_node")
     if type(gpus) is not int or gpus < 1:
         raise PlanInputError(f"{where}: gpus_per_node must be a positive integer, got {gpus!r}")
+    cores = top.get("host_cores")
+    if cores is not None and (type(cores) is not int or cores < 1):
+        raise PlanInputError(f"{where}: host_cores must be a positive integer, got {cores!r}")
     sources = {"device": str(device.get("source", "not stated")),
                **{name: str(_mapping("", fabric[name]).get("source", "not stated"))
                   for name in links},
@@ -123,7 +140,9 @@ def parse_profile(data: Any, where: str = "<profile>") -> HardwareProfile:
         made, links["intra_node"], links["inter_node"], gpus,
         _positive(where, "price_per_gpu_hour", top.get("price_per_gpu_hour")), sources,
         _flag(where, "fabric.serial_messages", fabric.get("serial_messages", False)),
-        _positive(where, "fabric.call_s", fabric["call_s"]) if fabric.get("call_s") else 0.0)
+        _positive(where, "fabric.call_s", fabric["call_s"]) if fabric.get("call_s") else 0.0,
+        _positive(where, "fabric.entry_s", fabric["entry_s"]) if fabric.get("entry_s") else 0.0,
+        cores)
 
 
 def _flag(where: str, field: str, value: Any) -> bool:

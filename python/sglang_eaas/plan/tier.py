@@ -10,7 +10,7 @@ import numpy as np
 
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.placement import even_placement
-from sglang_eaas.plan.cost import expert_costs
+from sglang_eaas.plan.cost import expert_costs, shared_cores
 from sglang_eaas.plan.deployment import TP, Deployment
 from sglang_eaas.plan.model import ModelSpec
 from sglang_eaas.plan.profile import HardwareProfile
@@ -159,11 +159,13 @@ class Tier:
         if self.layout == TP:
             parts = max(self._tp_parts, 1)
             t = float(expert_costs(counts, self.model, device, 1.0 / parts).sum())
-            return Phase(np.full(len(servers), t), np.full(len(servers), entries))
-        held = self._held(row)
-        copies = held.sum(axis=0)
-        share = np.where(copies > 0, counts / np.maximum(copies, 1), 0.0)
-        return Phase(held @ expert_costs(share, self.model, device), held @ share)
+            times, got = np.full(len(servers), t), np.full(len(servers), entries)
+        else:
+            held = self._held(row)
+            copies = held.sum(axis=0)
+            share = np.where(copies > 0, counts / np.maximum(copies, 1), 0.0)
+            times, got = held @ expert_costs(share, self.model, device), held @ share
+        return Phase(shared_cores(times, self.server_nodes(), self.profile.host_cores), got)
 
     def _held(self, row: int) -> np.ndarray:
         """``[S, E]``: 1 where server ``s`` holds expert ``e`` of ``layers[row]``."""
