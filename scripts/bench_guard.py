@@ -10,6 +10,11 @@ prints each tree's eaas/monolithic ratios of output throughput and of TPOT (medi
 ``--runs``), and this tree's ratio over the other's. Monolithic runs from its own tree too: the
 CPU runtime is part of the plugin. Not a test: timings swing between runs, so compare the
 ratios of one run.
+
+With each run it reads the CPU seconds of each server's processes around every bench_serving
+run, split into SGLang's scheduler (the rank), the expert servers and the rest, and prints
+them per 1000 output tokens (median of the runs): where the cores go, which a throughput ratio
+alone does not say.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 from sglang_eaas.tools.server_process import CPU_ARGS, SGLangServer, ServerError
 
 from bench_lib import serving_client
+from bench_lib.process_cpu import ROLES, cpu_by_role
 from bench_lib.report import Report, default_out, git_commit, say, spread
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,12 +127,18 @@ def measure(tree_env: dict, model: Path, extra: tuple[str, ...], name: str,
         say(f"  ready in {time.monotonic() - started:.0f} s")
         out = {}
         for c in args.concurrency:
+            before = cpu_by_role(server.process.pid)
             out[c] = serving_client.run(
                 server.url, model, serving_client.random_ids(args.input_len, args.output_len),
                 args.prompts_per_slot * c, c, args.log_dir / f"bench-guard-{name}-c{c}.log",
                 args.output_len)
+            after = cpu_by_role(server.process.pid)
+            tokens = out[c].get("total_output_tokens") or args.prompts_per_slot * c \
+                * args.output_len
+            out[c]["cpu_per_1k"] = {r: (after[r] - before[r]) * 1000 / tokens for r in ROLES}
             say(f"  c={c}: {out[c]['output_throughput']:.1f} output tok/s, TPOT "
-                f"{out[c]['mean_tpot_ms']:.1f} ms")
+                f"{out[c]['mean_tpot_ms']:.1f} ms; CPU s per 1000 tokens: " + ", ".join(
+                    f"{r} {v:.2f}" for r, v in out[c]["cpu_per_1k"].items()))
     return out
 
 
@@ -145,6 +157,9 @@ def main() -> int:
     eaas = (*base, *shlex.split(args.eaas_args))
     # ratios[tree][c] = ([throughput ratio per run], [TPOT ratio per run])
     ratios = {tree: {c: ([], []) for c in args.concurrency} for tree in trees}
+    # cpu[(tree, kind)][c][role] = [CPU seconds per 1000 output tokens, per run]
+    cpu = {(tree, kind): {c: {r: [] for r in ROLES} for c in args.concurrency}
+           for tree in trees for kind in ("monolithic", "eaas")}
     args.log_dir.mkdir(parents=True, exist_ok=True)
     try:
         for run in range(args.runs):
@@ -155,6 +170,9 @@ def main() -> int:
                 mono = measure(trees[tree], model, base, f"{tag}-monolithic", args)
                 ours = measure(trees[tree], model, eaas, f"{tag}-eaas", args)
                 for c in args.concurrency:
+                    for kind, got in (("monolithic", mono), ("eaas", ours)):
+                        for r, v in got[c]["cpu_per_1k"].items():
+                            cpu[tree, kind][c][r].append(v)
                     ratios[tree][c][0].append(ours[c]["output_throughput"]
                                               / mono[c]["output_throughput"])
                     ratios[tree][c][1].append(ours[c]["mean_tpot_ms"] / mono[c]["mean_tpot_ms"])
@@ -182,6 +200,16 @@ def main() -> int:
         speed = statistics.median(ours[0]) / statistics.median(theirs[0])
         tpot = statistics.median(ours[1]) / statistics.median(theirs[1])
         lines.append(f"- c={c}: throughput ratio {speed:.2f}x, TPOT ratio {tpot:.2f}x")
+    lines += ["", "CPU seconds per 1000 output tokens (user + system, read around each "
+              "bench_serving run; median of the runs): SGLang's scheduler (the rank), the expert "
+              "servers, the rest (launcher, tokenizer, detokenizer):", "",
+              "| tree | server | C | scheduler | expert servers | rest | all |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for (tree, kind), per_c in cpu.items():
+        for c, by in per_c.items():
+            med = {r: statistics.median(v) for r, v in by.items()}
+            lines.append(f"| {tree} | {kind} | {c} | " + " | ".join(
+                f"{med[r]:.2f}" for r in ROLES) + f" | {sum(med.values()):.2f} |")
     report.add("\n".join(lines))
     report.save()
     return 0

@@ -30,13 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
 from sglang_eaas import cpu_runtime
 from sglang_eaas.deploy import DeployError, Deployment, parse_config
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model
 
 from bench_lib import serving_client, sharegpt
+from bench_lib.process_cpu import tree_cpu_seconds
 from bench_lib.report import Report, default_out, say, spread
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,19 +100,6 @@ def dataset_args(dataset: str, args: argparse.Namespace, sharegpt_file: Path) ->
         return serving_client.random_ids(args.input_len, args.output_len)
     return ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt_file),
             "--sharegpt-output-len", str(args.output_len), "--sharegpt-context-len", "2048"]
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of this process and its descendants so far."""
-    total = 0.0
-    try:
-        root = psutil.Process(pid)
-        for p in (root, *root.children(recursive=True)):
-            times = p.cpu_times()
-            total += times.user + times.system
-    except psutil.Error:
-        pass
-    return total
 
 
 def role(part: str) -> str:
