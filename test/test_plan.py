@@ -184,6 +184,12 @@ def test_a_cpu_host_streams_then_multiplies_and_its_servers_share_its_cores(tmp_
     assert fabric_phase(np.array([10.0]), 1, np.array([0]), np.array([1]), 100.0,
                         parse_profile(cpu)) == pytest.approx(
         FIXED_INTER + 10 * 100 / BW_INTER + 10 * 0.25)
+    # TP: the same 10 entries sent to each of 2 parts, routed once
+    assert fabric_phase(np.array([10.0, 10.0]), 1, np.array([0]), np.array([1, 1]), 100.0,
+                        parse_profile(cpu), routed=10) == pytest.approx(
+        FIXED_INTER + 20 * 100 / BW_INTER + 10 * 0.25)
+    tp = Tier(Deployment(1, 2, layout="tp"), model, parse_profile(cpu), (0,), uniform().shares)
+    assert tp.phase(0, 10.0).routed == 10.0 and list(tp.phase(0, 10.0).entries) == [10, 10]
 
 
 @pytest.mark.parametrize("field,value,says", [

@@ -5,7 +5,8 @@
   n * flops / peak)``: its weights streamed once when it is active (``a(n) = 1 - exp(-n)``, the
   chance a Poisson count of mean ``n`` is not 0, as ``elastic/layout_cost.py`` takes it), its
   products at the peak (the sum of the two where the profile's ``roofline`` is ``sum``: a CPU
-  core streams and multiplies in turn); a server's time is the sum over what it holds, and the
+  core streams and multiplies in turn; a profile's measured ``expert_curve`` instead where it
+  gives one); a server's time is the sum over what it holds, and the
   busiest server gates the layer; where the profile gives ``host_cores``, the servers of a
   node share that many cores: none finishes before the node's work over its cores
   (``shared_cores``);
@@ -42,6 +43,8 @@ def expert_costs(n: np.ndarray, model: ModelSpec, device: Device, width: float =
     """Seconds each expert with ``n[e]`` entries costs the server computing it, rows ``width``
     of the expert wide (1 whole, 1/P a TP part)."""
     n = np.asarray(n, dtype=float)
+    if device.curve:  # measured on this device
+        return device.expert_seconds_per_byte(n) * model.expert_bytes * width
     streamed = active(n) * model.expert_bytes * width / device.memory_bandwidth
     computed = n * model.expert_flops_per_entry * width / device.peak(model.info.dtype)
     return streamed + computed if device.serial else np.maximum(streamed, computed)
@@ -58,11 +61,13 @@ def shared_cores(times: np.ndarray, nodes: np.ndarray, cores: int | None) -> np.
 
 
 def fabric_phase(entries: np.ndarray, clients: int, client_nodes: np.ndarray,
-                 server_nodes: np.ndarray, entry_bytes: float, profile: HardwareProfile
-                 ) -> float:
+                 server_nodes: np.ndarray, entry_bytes: float, profile: HardwareProfile,
+                 routed: float | None = None) -> float:
     """Seconds of one dispatch (or combine): every client sends each server ``entries[s] /
     clients`` entries of ``entry_bytes`` (one message where there is any), over the intra-
-    or inter-node link; the busiest endpoint's sum."""
+    or inter-node link; the busiest endpoint's sum. ``routed``: the (token, expert) entries
+    the clients route in all (``entry_s`` each; default the entries sent, which TP's parts
+    each get a copy of)."""
     entries = np.asarray(entries, dtype=float)
     sent = entries > 0
     if clients < 1 or not sent.any():
@@ -78,7 +83,8 @@ def fabric_phase(entries: np.ndarray, clients: int, client_nodes: np.ndarray,
     else:  # every message in flight at once: its fixed cost once, the bytes one after another
         busiest = max((fixed.max(axis=1) + moved.sum(axis=1)).max(),
                       (fixed.max(axis=0) + moved.sum(axis=0)).max())
-    return float(busiest + profile.call_s + profile.entry_s * entries.sum() / clients)
+    routed = entries.sum() if routed is None else routed
+    return float(busiest + profile.call_s + profile.entry_s * routed / clients)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,9 @@ Format (every number positive; ``source`` says where each block's numbers come f
       memory: 8.0e10                # bytes
       roofline: max                 # max: memory and compute overlap (a GPU); sum: one after
                                     #   the other (a CPU core); default max
+      expert_curve:                 # optional, measured: an expert's seconds per byte of its
+        entries: [0.125, 1, 8]      #   weights at a mean of n entries (interpolated; in
+        seconds_per_byte: [...]     #   proportion to n outside); replaces the roofline there
       source: "..."
     fabric:
       intra_node: {bandwidth: 4.5e11, message_s: 2.0e-6, source: "..."}  # bytes/s, s/message
@@ -35,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from sglang_eaas.plan.errors import PlanInputError
 
 PROFILES = Path(__file__).with_name("profiles")
@@ -56,6 +61,16 @@ class Device:
     flops: Mapping[str, float]  # dtype -> dense FLOP/s
     memory: float  # bytes
     serial: bool = False  # memory and compute one after the other (``roofline: sum``)
+    curve: tuple[tuple[float, float], ...] = ()  # measured (entries per expert, s per byte)
+
+    def expert_seconds_per_byte(self, n: np.ndarray) -> np.ndarray:
+        """The ``curve`` at mean entries ``n``: interpolated between its points, in
+        proportion to ``n`` below the first and above the last."""
+        xs, ys = (np.array(v) for v in zip(*self.curve))
+        n = np.asarray(n, dtype=float)
+        inside = np.interp(n, xs, ys)
+        return np.where(n < xs[0], ys[0] * n / xs[0],
+                        np.where(n > xs[-1], ys[-1] * n / xs[-1], inside))
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s for ``dtype`` (float16 reads bfloat16's where only that is given)."""
@@ -118,7 +133,8 @@ def parse_profile(data: Any, where: str = "<profile>") -> HardwareProfile:
         raise PlanInputError(f"{where}: device.roofline must be max or sum, got {roofline!r}")
     made = Device(_positive(where, "device.memory_bandwidth", device.get("memory_bandwidth")),
                   {str(k): _positive(where, f"device.flops.{k}", v) for k, v in flops.items()},
-                  _positive(where, "device.memory", device.get("memory")), roofline == "sum")
+                  _positive(where, "device.memory", device.get("memory")), roofline == "sum",
+                  _curve(where, device.get("expert_curve")))
     fabric = _mapping(f"{where}: fabric", top.get("fabric"))
     links = {}
     for name in ("intra_node", "inter_node"):
@@ -143,6 +159,22 @@ def parse_profile(data: Any, where: str = "<profile>") -> HardwareProfile:
         _positive(where, "fabric.call_s", fabric["call_s"]) if fabric.get("call_s") else 0.0,
         _positive(where, "fabric.entry_s", fabric["entry_s"]) if fabric.get("entry_s") else 0.0,
         cores)
+
+
+def _curve(where: str, value: Any) -> tuple[tuple[float, float], ...]:
+    if value is None:
+        return ()
+    curve = _mapping(f"{where}: device.expert_curve", value)
+    xs, ys = curve.get("entries"), curve.get("seconds_per_byte")
+    if not isinstance(xs, list) or not isinstance(ys, list) or len(xs) != len(ys) \
+            or len(xs) < 2:
+        raise PlanInputError(f"{where}: device.expert_curve needs lists entries and "
+                             "seconds_per_byte of the same length, at least 2")
+    xs = [_positive(where, "device.expert_curve.entries", x) for x in xs]
+    ys = [_positive(where, "device.expert_curve.seconds_per_byte", y) for y in ys]
+    if any(b <= a for a, b in zip(xs, xs[1:])):
+        raise PlanInputError(f"{where}: device.expert_curve.entries must increase")
+    return tuple(zip(xs, ys))
 
 
 def _flag(where: str, field: str, value: Any) -> bool:

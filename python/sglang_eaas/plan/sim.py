@@ -250,7 +250,8 @@ class Simulator:
             phase = self.tier.phase(row, entries)
             entry_bytes = self.model.info.hidden_size * self.model.dtype_bytes
             comm = fabric_phase(phase.entries, self.dep.attention, self.tier.attention_nodes,
-                                self.tier.server_nodes(), entry_bytes, self.profile)
+                                self.tier.server_nodes(), entry_bytes, self.profile,
+                                phase.routed)
             self._cost_cache[key] = (float(phase.times.max(initial=0.0)),
                                      float(phase.times.mean()) if len(phase.times) else 0.0,
                                      comm)

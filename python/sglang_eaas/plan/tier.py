@@ -22,6 +22,7 @@ class Phase:
 
     times: np.ndarray  # [S]
     entries: np.ndarray  # [S]
+    routed: float  # the layer's (token, expert) entries (TP sends each to every part)
 
 
 def hot_placement(shares: np.ndarray, servers: list[str], hot: int) -> dict[str, list[int]]:
@@ -165,7 +166,8 @@ class Tier:
             copies = held.sum(axis=0)
             share = np.where(copies > 0, counts / np.maximum(copies, 1), 0.0)
             times, got = held @ expert_costs(share, self.model, device), held @ share
-        return Phase(shared_cores(times, self.server_nodes(), self.profile.host_cores), got)
+        return Phase(shared_cores(times, self.server_nodes(), self.profile.host_cores), got,
+                     float(entries))
 
     def _held(self, row: int) -> np.ndarray:
         """``[S, E]``: 1 where server ``s`` holds expert ``e`` of ``layers[row]``."""
