@@ -190,30 +190,6 @@ def test_ranks_leave_the_local_servers_their_cores(monkeypatch):
     assert cores.rank_threads(2, 1) == 14 and cores.rank_threads(4, 2) == 6
 
 
-def test_a_rank_takes_its_full_threads_only_in_steps_that_leave_the_servers_idle(monkeypatch):
-    """Steps of fewer entries than experts (tokens x top-k < experts) run on the rank's full
-    threads, any other on the cores the servers leave it; torch is told only on a change. A
-    step's tokens: its extend lengths, or one per request."""
-    from types import SimpleNamespace
-
-    from sglang_eaas.client import rank_threads
-
-    calls = []
-    monkeypatch.setattr(rank_threads.torch, "set_num_threads", calls.append)
-    threads = rank_threads.StepThreads(wide=2, narrow=1, top_k=4, num_experts=32)
-    threads.now = 1
-    for tokens in (1, 7, 7, 8, 64, 1):
-        threads.step(tokens)
-    assert calls == [2, 1, 2]  # 1 and 7 tokens: 4 and 28 entries < 32; 8: 32 entries
-
-    def batch(extend, reqs, lens=None):
-        mode = SimpleNamespace(is_extend=lambda: extend)
-        return SimpleNamespace(forward_mode=mode, reqs=[object()] * reqs, extend_lens=lens)
-
-    assert rank_threads.step_tokens(batch(False, 3)) == 3
-    assert rank_threads.step_tokens(batch(True, 2, [5, 1])) == 6
-
-
 def test_eaas_refused_when_a_hook_did_not_apply(sglang_with_plugins, tiny_qwen3, capsys,
                                                 monkeypatch):
     from sglang.srt.plugins.hook_registry import HookRegistry

@@ -22,13 +22,11 @@ from sglang_eaas.client.client import EaasClient
 from sglang_eaas.balance.forecast import RoutingBook
 from sglang_eaas.client.load_sinks import DumpFile, Publisher, rank_path
 from sglang_eaas.client.metrics import PrometheusTierMetrics, TierMetrics
-from sglang_eaas.client.rank_threads import StepThreads, step_tokens
 from sglang_eaas.model_info import MoeModelInfo, is_routed_expert_tensor
 from sglang_eaas.protocol.slot import POLL_SPIN_US
 
 logger = logging.getLogger(__name__)
 _client: EaasClient | None = None
-_step_threads: StepThreads | None = None  # set where this rank's threads are limited
 
 
 def _shared_client(dtype: torch.dtype) -> EaasClient:
@@ -39,9 +37,9 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
 
         cfg, server_args = eaas_config.current(), get_server_args()
         assert isinstance(cfg.expert_servers, eaas_config.RemoteServers), cfg
+        _limit_threads(cfg.rank_threads, server_args)
         name = f"{socket.gethostname()}:{os.getpid()}"
         info = MoeModelInfo.from_model_path(server_args.model_path)
-        _limit_threads(cfg.rank_threads, server_args, info)
         expected = cfg.placement.holdings(info.moe_layers) if cfg.placement else None
         metrics = _metrics(server_args)
         sinks = _load_sinks(cfg, metrics)
@@ -73,12 +71,10 @@ def _shared_client(dtype: torch.dtype) -> EaasClient:
     return _client
 
 
-def _limit_threads(threads: int | None, server_args: Any, info: MoeModelInfo) -> None:
+def _limit_threads(threads: int | None, server_args: Any) -> None:
     """On a CPU, this rank's torch intra-op threads become ``threads`` (the cores the local
-    expert servers leave: ``cores.rank_threads``) in every step but those that give the
-    servers little to do (``client/rank_threads.py``), unless the user chose them
+    expert servers leave: ``cores.rank_threads``), unless the user chose them
     (``OMP_NUM_THREADS``)."""
-    global _step_threads
     if threads is None or getattr(server_args, "device", None) != "cpu":
         return
     if os.environ.get("OMP_NUM_THREADS"):
@@ -87,20 +83,10 @@ def _limit_threads(threads: int | None, server_args: Any, info: MoeModelInfo) ->
                     os.environ["OMP_NUM_THREADS"], torch.get_num_threads(), threads)
         return
     if torch.get_num_threads() > threads:
-        logger.info("sglang-eaas: this rank runs %d torch thread(s), not %d, in steps of %d "
-                    "tokens or more: the local expert servers take the other cores "
-                    "(OMP_NUM_THREADS overrides)", threads, torch.get_num_threads(),
-                    -(-info.num_experts // info.top_k))
-        _step_threads = StepThreads(torch.get_num_threads(), threads, info.top_k,
-                                    info.num_experts)
+        logger.info("sglang-eaas: this rank runs %d torch thread(s), not %d: the local expert "
+                    "servers take the other cores (OMP_NUM_THREADS overrides)", threads,
+                    torch.get_num_threads())
         torch.set_num_threads(threads)
-        _step_threads.now = threads
-
-
-def step_threads(batch: Any) -> None:
-    """Before a step: this rank's torch threads for it (nothing where they are not limited)."""
-    if _step_threads is not None:
-        _step_threads.step(step_tokens(batch))
 
 
 def overlapped(server_args: Any) -> bool:

@@ -30,7 +30,6 @@ def run_batch(run: Callable, scheduler: Any, batch: Any, *args, **kwargs) -> Any
     if client is None:
         return run(scheduler, batch, *args, **kwargs)
     client.begin_step()
-    sglang_moe.step_threads(batch)
     try:
         result = run(scheduler, batch, *args, **kwargs)
     finally:
