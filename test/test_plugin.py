@@ -172,10 +172,6 @@ def test_local_ranks_do_not_spin_where_servers_share_the_cores(monkeypatch):
     assert prepare.client_poll_spin_us(None, servers=1, ranks=1) == POLL_SPIN_US
     assert prepare.client_poll_spin_us(300, servers=2, ranks=1) == 300
     assert prepare.client_poll_spin_us(0, servers=1, ranks=1) == 0
-    # the local servers: the same, with the server's own default where the cores suffice
-    assert prepare.server_poll_spin_us(None, servers=2, ranks=1) == 0
-    assert prepare.server_poll_spin_us(None, servers=1, ranks=1) is None
-    assert prepare.server_poll_spin_us(300, servers=2, ranks=1) == 300
 
 
 def test_ranks_leave_the_local_servers_their_cores(monkeypatch):

@@ -82,20 +82,11 @@ def client_poll_spin_us(given: int | None, servers: int, ranks: int) -> int:
     """How long SGLang's ranks busy-poll for the local expert servers' results before sleeping:
     ``given`` (--eaas-poll-spin-us) if set; else not at all when the servers' and ranks'
     processes outnumber this process's cores (the rank's polls would take a core from the
-    servers it waits for), else ``POLL_SPIN_US``."""
+    servers it waits for), else ``POLL_SPIN_US``. The servers keep their own default: a server
+    that sleeps at once after a request would wake up late for the next layer's."""
     if given is not None:
         return given
     return 0 if shares_cores(servers, ranks) else POLL_SPIN_US
-
-
-def server_poll_spin_us(given: int | None, servers: int, ranks: int) -> int | None:
-    """How long the local expert servers busy-poll after a request before sleeping on their
-    doorbell: ``given`` if set; not at all where they share the cores with the ranks (between
-    two layers the rank computes for milliseconds, and a server's spin took that time from
-    it: docs/cpu-runtime.md, "Threads of the ranks"); else None (the server's default)."""
-    if given is not None:
-        return given
-    return 0 if shares_cores(servers, ranks) else None
 
 
 def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
@@ -142,11 +133,11 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
         logger.info("sglang-eaas: starting %d local expert servers: %s", len(placements),
                     placements)
         backend = "shm" if cfg.transport == transports.AUTO else cfg.transport
-        spin = server_poll_spin_us(cfg.poll_spin_us, len(placements), num_ranks)
         spawn = LocalSpawn(sglang_dtype(model_path, dtype),
                            max(8, control.SLOTS_PER_CONNECTION * num_ranks),
                            ("--transport", backend, "--heartbeat", str(cfg.heartbeat),
-                            *(("--poll-spin-us", str(spin)) if spin is not None else ()),
+                            *(("--poll-spin-us", str(cfg.poll_spin_us))
+                              if cfg.poll_spin_us is not None else ()),
                             *(("--kernel", cfg.kernel) if cfg.kernel else ()),
                             *(() if cfg.shrink else ("--disable-shrink",))))
         with blame(origin):
