@@ -64,12 +64,11 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
     got, decode_steps = book.take_decoded()
     assert (got == decoded).all() and decode_steps == 2
     assert book.take_decoded()[0].sum() == 0  # reset
-    # the forecast of the next 6 steps: a has 8 tokens left, c 5, so 6 * 2 * K - (6 + 5) * K
-    # entries per layer come from requests yet to arrive, spread as a's, b's and c's prompts
-    known = sum(min(6, left) * K * expected[key] / expected[key].sum(axis=1, keepdims=True)
-                for key, left in (("a", 8), ("c", 5)))
-    arrivals = np.mean([prompt[k] / prompt[k].sum(axis=1, keepdims=True) for k in "abc"], axis=0)
-    assert np.allclose(book.forecast(6), known + (6 * 2 * K - 11 * K) * arrivals)
+    # the forecast of the next 6 steps: 6 steps of the 2 running requests (a, c), 6 * 2 * K
+    # entries per layer, spread as the decode rows of the requests that started (a, b and c;
+    # b has ended) spread theirs
+    share = decoded / decoded.sum(axis=1, keepdims=True)
+    assert np.allclose(book.forecast(6), 6 * 2 * K * share)
     assert book.unattributed == 0
 
 
@@ -118,6 +117,45 @@ def test_the_requests_to_come_look_like_those_that_started_in_the_last_window():
         assert np.allclose(book.coming_prefill(steps),
                            2 * started * expected(steps) / (steps * K))
     assert book.coming_prefill(1).sum() == 0  # none started in the last step
+
+
+def test_the_decode_to_come_is_spread_as_the_decode_of_the_newest_starters():
+    """Once the requests that started over the last ``steps`` steps (at least the latest
+    ``RECENT_ARRIVALS``, ended ones too) have decoded, the window's ``steps * running * K``
+    decode entries are spread as their decode rows spread theirs, not as prompts."""
+    from sglang_eaas.balance.forecast import RECENT_ARRIVALS
+
+    book = RoutingBook(LAYERS, E, K)
+
+    def step(requests: list[StepRequest], expert: int) -> None:
+        rows = sum(r.rows for r in requests)
+        ids = np.full((rows, K), -1)
+        ids[:, 0] = expert
+        for layer in LAYERS:
+            book.note(layer, ids)
+        book.end_step(requests)
+
+    starts = {}
+    for i, expert in enumerate([0] * 8 + [1] * RECENT_ARRIVALS):  # the decode mix shifts
+        step([StepRequest(f"r{i}", 3, False, 2)], 5)  # every prompt on expert 5
+        step([StepRequest(f"r{i}", 1, True, 1)], expert)
+        starts[i] = book.steps
+        step([StepRequest(f"r{i}", 1, True, 0, finished=True)], expert)
+    step([StepRequest("running", 1, False, 100)], -1)  # one running, not decoding yet
+
+    def expected(steps: int) -> np.ndarray:
+        recent = [i for i, s in starts.items() if s > book.steps - steps]
+        if len(recent) < RECENT_ARRIVALS:
+            recent = list(starts)[-RECENT_ARRIVALS:]
+        out = np.zeros((len(LAYERS), E))
+        out[:, 1] = steps * K * sum(i >= 8 for i in recent) / len(recent)
+        out[:, 0] = steps * K - out[:, 1]
+        return out
+
+    assert np.allclose(book.forecast(3), expected(3))  # the latest 4: the new decode only
+    assert expected(3)[0, 1] == 3 * K and expected(3)[0, 5] == 0  # not the prompts' expert
+    assert np.allclose(book.forecast(30), expected(30))  # 6 old and 4 new starters
+    assert 0 < expected(30)[0, 1] < expected(30)[0, 0]
 
 
 def test_rows_that_do_not_tile_the_step_are_left_out_and_counted():

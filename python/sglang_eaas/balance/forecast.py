@@ -8,6 +8,9 @@ forecast of the next ``steps`` decode steps is the sum over running requests of
 ``min(steps, remaining) * top_k`` entries spread as the request's profile spreads them
 (``remaining``: the tokens it may still generate). Requests still in SGLang's queue have no
 routing yet and are not in it; they show up at their prefill, a step after admission.
+Once the requests that started over the last window have decoded, the whole window's decode
+is spread as their decode entries instead (``bench_forecast_bound``: a mix's decode tells its
+decode better than its prompts do, and the newest starters are the mix now arriving).
 
 The servers count prefill entries too, and a prompt routes all its tokens at once: the entries
 of the prompts to come (``coming_prefill``) are those of the prompts that started over the last
@@ -72,6 +75,11 @@ class RoutingBook:
         self._seen = np.zeros(0, dtype=np.int64)  # the last step each slot's request was in
         self._missed = np.zeros(0, dtype=np.int64)  # complete steps in a row it was not in
         self._started = np.zeros(0, dtype=bool)  # whether it decoded (its prompt is counted)
+        self._start = np.zeros(0, dtype=np.int64)  # the step of its first decode
+        self._prompt = np.zeros((0, len(self.layers), num_experts), dtype=np.float32)
+        # the decode entries [L, E] of the latest requests that ended, with their first decode
+        self._ended: collections.deque[tuple[int, np.ndarray]] = collections.deque(
+            maxlen=ARRIVALS)
         # the latest requests' prompt entries [L, E], with the step of their first decode
         self._arrivals: collections.deque[tuple[int, np.ndarray]] = collections.deque(
             maxlen=ARRIVALS)
@@ -132,6 +140,8 @@ class RoutingBook:
             slots = np.array([self._slot_of(r.key) for r in requests])
             for slot in slots[decode & ~self._started[slots]]:  # a first decode step: its
                 self._started[slot] = True  # prompt's routing is what arrivals look like
+                self._start[slot] = self.steps
+                self._prompt[slot] = self._counts[slot]
                 prompt = self._counts[slot].astype(np.float64)
                 if prompt.any():
                     self._arrivals.append((self.steps, prompt))
@@ -170,6 +180,9 @@ class RoutingBook:
             self._seen = np.concatenate([self._seen, np.zeros(grow, np.int64)])
             self._missed = np.concatenate([self._missed, np.zeros(grow, np.int64)])
             self._started = np.concatenate([self._started, np.zeros(grow, bool)])
+            self._start = np.concatenate([self._start, np.zeros(grow, np.int64)])
+            self._prompt = np.concatenate([self._prompt, np.zeros(
+                (grow, *self._prompt.shape[1:]), dtype=self._prompt.dtype)])
             self._free = list(range(old + grow - 1, old - 1, -1))
         slot = self._slot[key] = self._free.pop()
         self._counts[slot] = 0
@@ -180,8 +193,14 @@ class RoutingBook:
     def _release(self, key: str) -> None:
         slot = self._slot.pop(key, None)
         if slot is not None:
+            if self._started[slot]:
+                self._ended.append((int(self._start[slot]), self._decode_of(slot)))
             self._remaining[slot] = 0
             self._free.append(slot)
+
+    def _decode_of(self, slot: int) -> np.ndarray:
+        """``[L, E]``: the entries a started request's decode rows made so far."""
+        return (self._counts[slot] - self._prompt[slot]).astype(np.float64)
 
     @property
     def running(self) -> int:
@@ -194,21 +213,28 @@ class RoutingBook:
             return None if slot is None else self._counts[slot].astype(np.int64)
 
     def forecast(self, steps: int) -> np.ndarray:
-        """``[L, E]`` float64: the decode entries of the next ``steps`` steps. Each running
-        request makes ``min(steps, remaining) * top_k`` per layer, spread as its profile spreads
-        them (a request with no entries yet in a layer adds none there). The tier keeps about as
-        many requests running, so the steps' other entries (``steps * running * top_k`` less
-        those) are the requests that will replace the ones that end: spread as the prompts of the
-        requests that started over the last ``steps`` steps spread theirs (at least the latest
-        ``RECENT_ARRIVALS``): the window just past stands for the next one, so a shift of the mix
-        shows in it within a window (a prompt's routing is seen a request's lifetime before its
-        decode shows in any counter)."""
+        """``[L, E]`` float64: the decode entries of the next ``steps`` steps: ``steps *
+        running * top_k`` per layer (the tier keeps about as many requests running, the ones
+        that end replaced), spread as the decode entries of the requests that started over the
+        last ``steps`` steps (at least the latest ``RECENT_ARRIVALS``; running or ended) spread
+        theirs: a mix's decode is told best by that mix's decode (``bench_forecast_bound``:
+        better than its prompts), and the newest starters are the mix now arriving, a window
+        ahead of the servers' counters of the last window.
+
+        Before any of them decoded an entry, the older forecast: each running request's
+        ``min(steps, remaining) * top_k`` spread as its own entries, the rest spread as the
+        prompts of the requests that started over the last ``steps`` steps."""
         began = time.perf_counter()
         with self._lock:
             live = np.fromiter(self._slot.values(), dtype=np.int64)
+            decode = self._recent_decode(steps, live)
             counts = self._counts[live].astype(np.float64)  # a copy: the step goes on
             remaining = self._remaining[live]
             arrivals = self._recent_arrivals(steps)
+        if decode is not None:
+            out = steps * len(live) * self.top_k * _spread([decode])
+            self.cost += time.perf_counter() - began
+            return out
         total = counts.sum(axis=2, keepdims=True)
         share = np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
         weight = np.minimum(steps, remaining).astype(np.float64) * self.top_k
@@ -218,6 +244,18 @@ class RoutingBook:
             out += rest[:, None] * _spread(arrivals)
         self.cost += time.perf_counter() - began
         return out
+
+    def _recent_decode(self, steps: int, live: np.ndarray) -> np.ndarray | None:
+        """Under the lock: ``[L, E]``, the decode entries of the requests whose first decode
+        step was one of the last ``steps`` (running, or among the latest that ended); where
+        fewer started then, of the latest ``RECENT_ARRIVALS``. None where they have none."""
+        pool = [(int(self._start[slot]), self._decode_of(slot))
+                for slot in live[self._started[live]]] + list(self._ended)
+        recent = [d for start, d in pool if start > self.steps - steps]
+        if len(recent) < RECENT_ARRIVALS:
+            recent = [d for _, d in sorted(pool, key=lambda x: x[0])[-RECENT_ARRIVALS:]]
+        total = np.sum(recent, axis=0) if recent else None
+        return total if total is not None and total.any() else None
 
     def coming_prefill(self, steps: int) -> np.ndarray:
         """``[L, E]`` float64: the prefill entries of the next ``steps`` steps, taken to be
