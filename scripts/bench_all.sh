@@ -35,6 +35,7 @@ runs=(
   "scripts/bench_dealing.py"
   "scripts/bench_live_balance.py"
   "scripts/bench_balance_shift.py"
+  "scripts/bench_forecast_bound.py"
   "scripts/bench_esft.py"
   "scripts/bench_plan.py"
   "scripts/bench_plan_calibrate.py"

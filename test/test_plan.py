@@ -21,6 +21,7 @@ from sglang_eaas.elastic.layout_policy import LayoutChooser, LayoutPolicy
 from sglang_eaas.plan.__main__ import main
 from sglang_eaas.plan.cost import expert_costs, fabric_phase, shared_cores
 from sglang_eaas.plan.deployment import Deployment
+from sglang_eaas.plan.errors import PlanInputError
 from sglang_eaas.plan.load import ExpertLoad, zipf_load
 from sglang_eaas.plan.model import ModelSpec
 from sglang_eaas.plan.output import write_outputs
@@ -192,14 +193,29 @@ def test_a_cpu_host_streams_then_multiplies_and_its_servers_share_its_cores(tmp_
     assert tp.phase(0, 10.0).routed == 10.0 and list(tp.phase(0, 10.0).entries) == [10, 10]
 
 
+def test_a_measured_expert_curve_is_interpolated_and_proportional_outside(tmp_path):
+    """A profile's ``expert_curve`` (seconds per byte of an expert at a mean of n entries)
+    replaces the roofline for experts: linear between its points, in proportion to n below
+    the first and above the last."""
+    model = toy_model(tmp_path)
+    curve = {**_toy_dict(), "device": {**_toy_dict()["device"], "expert_curve": {
+        "entries": [0.5, 2.0], "seconds_per_byte": [1e-6, 4e-6]}}}
+    device = parse_profile(curve).device
+    expert_bytes = 3 * H * I_ * 2
+    got = expert_costs(np.array([0.0, 0.25, 0.5, 1.0, 2.0, 4.0]), model, device, width=0.5)
+    per_byte = np.array([0.0, 0.5e-6, 1e-6, 2e-6, 4e-6, 8e-6])  # 1.0: a third of the way
+    assert got == pytest.approx(per_byte * expert_bytes * 0.5)
+    with pytest.raises(PlanInputError, match="expert_curve.entries must increase"):
+        parse_profile({**curve, "device": {**curve["device"], "expert_curve": {
+            "entries": [2.0, 0.5], "seconds_per_byte": [1e-6, 4e-6]}}})
+
+
 @pytest.mark.parametrize("field,value,says", [
     ("device", {"memory_bandwidth": 1, "flops": {"bfloat16": 1}, "memory": 1,
                 "roofline": "min"}, "device.roofline must be max or sum"),
     ("host_cores", 0, "host_cores must be a positive integer"),
 ])
 def test_a_bad_cpu_host_field_is_named(field, value, says):
-    from sglang_eaas.plan.errors import PlanInputError
-
     with pytest.raises(PlanInputError, match=says):
         parse_profile({**_toy_dict(), field: value})
 
