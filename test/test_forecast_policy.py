@@ -22,6 +22,21 @@ def step_ids(rng, rows):
     return ids
 
 
+def _one_entry_steps(book: RoutingBook):
+    """A step function for ``book``: every row of the step's requests one entry on
+    ``expert`` in every layer (-1: none)."""
+
+    def step(requests: list[StepRequest], expert: int) -> None:
+        rows = sum(r.rows for r in requests)
+        ids = np.full((rows, K), -1)
+        ids[:, 0] = expert
+        for layer in LAYERS:
+            book.note(layer, ids)
+        book.end_step(requests)
+
+    return step
+
+
 def test_profiles_and_decode_entries_equal_a_count_row_by_row():
     rng = np.random.default_rng(0)
     book = RoutingBook(LAYERS, E, K)
@@ -80,13 +95,7 @@ def test_the_requests_to_come_look_like_those_that_started_in_the_last_window():
 
     book = RoutingBook(LAYERS, E, K)
 
-    def step(requests: list[StepRequest], expert: int) -> None:
-        rows = sum(r.rows for r in requests)
-        ids = np.full((rows, K), -1)
-        ids[:, 0] = expert
-        for layer in LAYERS:
-            book.note(layer, ids)
-        book.end_step(requests)
+    step = _one_entry_steps(book)
 
     starts = {}  # request -> the step of its first decode
     for i, expert in enumerate([0] * 8 + [1] * RECENT_ARRIVALS):  # the mix shifts to expert 1
@@ -127,13 +136,7 @@ def test_the_decode_to_come_is_spread_as_the_decode_of_the_newest_starters():
 
     book = RoutingBook(LAYERS, E, K)
 
-    def step(requests: list[StepRequest], expert: int) -> None:
-        rows = sum(r.rows for r in requests)
-        ids = np.full((rows, K), -1)
-        ids[:, 0] = expert
-        for layer in LAYERS:
-            book.note(layer, ids)
-        book.end_step(requests)
+    step = _one_entry_steps(book)
 
     starts = {}
     for i, expert in enumerate([0] * 8 + [1] * RECENT_ARRIVALS):  # the decode mix shifts
