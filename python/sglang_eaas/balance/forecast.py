@@ -1,16 +1,15 @@
 """The next window's decode load, forecast from the routing of the requests now running.
 
-A request's prefill routes every prompt token through every MoE layer before its first decode
-step, and its decode tends to keep the experts its prompt used. So each running request gets a
-*profile*: the entries its own rows made per (MoE layer, expert) so far, prefill and decode
-(``RoutingBook``, fed by the client with each step's rows and which request owns them). The
-forecast of the next ``steps`` decode steps is the sum over running requests of
-``min(steps, remaining) * top_k`` entries spread as the request's profile spreads them
-(``remaining``: the tokens it may still generate). Requests still in SGLang's queue have no
-routing yet and are not in it; they show up at their prefill, a step after admission.
-Once the requests that started over the last window have decoded, the whole window's decode
-is spread as their decode entries instead (``bench_forecast_bound``: a mix's decode tells its
-decode better than its prompts do, and the newest starters are the mix now arriving).
+Each running request gets a *profile*: the entries its own rows made per (MoE layer, expert)
+so far, its prefill's (its prompt) and then its decode's (``RoutingBook``, fed by the client
+with each step's rows and which request owns them). The forecast of the next ``steps`` decode
+steps is ``steps * running * top_k`` entries per layer spread as the decode rows of the
+requests that started over the last ``steps`` steps spread theirs: the newest starters are the
+mix now arriving, and a mix's decode tells its decode better than its prompts do
+(``scripts/bench_forecast_bound.py``). Before any of them has decoded, it falls back to the
+prompts: each running request's ``min(steps, remaining) * top_k`` spread as its own profile,
+the rest as the newest prompts. Requests still in SGLang's queue have no routing yet and are
+not in it; they show up at their prefill, a step after admission.
 
 The servers count prefill entries too, and a prompt routes all its tokens at once: the entries
 of the prompts to come (``coming_prefill``) are those of the prompts that started over the last
@@ -260,7 +259,8 @@ class RoutingBook:
     def coming_prefill(self, steps: int) -> np.ndarray:
         """``[L, E]`` float64: the prefill entries of the next ``steps`` steps, taken to be
         as many per layer as the prompts of the requests that started over the last ``steps``
-        steps made, spread as ``forecast`` spreads the requests to come."""
+        steps made, spread as those prompts spread theirs (at least the latest
+        ``RECENT_ARRIVALS``')."""
         began = time.perf_counter()
         with self._lock:
             arrivals = self._recent_arrivals(steps)

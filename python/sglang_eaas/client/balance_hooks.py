@@ -6,8 +6,8 @@ A thread of rank 0's scheduler process looks at the tier every ``period`` second
 * the tier's holdings from the monitor (``balance/live.tier_holdings``) and every serving
   expert server's load counters (``balance/server_load``: read each look, kept for a horizon);
 * the estimate: ``predictive``, the forecast of the next ``horizon`` seconds of decode load
-  from the running requests' routing (``balance/forecast.RoutingBook``, which this rank's
-  client fills from each step's rows: ``client/steps.py``), the steps in it from the step
+  from the routing of the requests that started last (``balance/forecast.RoutingBook``, which
+  this rank's client fills from each step's rows: ``client/steps.py``), the steps in it from the step
   time, plus the prefill entries of the prompts to come (``coming_prefill``: as many as the
   last horizon's); ``reactive``, the entries the servers computed over the last ``horizon``
   seconds;
