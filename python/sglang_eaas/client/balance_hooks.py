@@ -7,8 +7,8 @@ A thread of rank 0's scheduler process looks at the tier every ``period`` second
   expert server's load counters (``balance/server_load``: read each look, kept for a horizon);
 * the estimate: ``predictive``, the forecast of the next ``horizon`` seconds of decode load
   from the routing of the requests that started last (``balance/forecast.RoutingBook``, which
-  this rank's client fills from each step's rows: ``client/steps.py``), the steps in it from the step
-  time, plus the prefill entries of the prompts to come (``coming_prefill``: as many as the
+  this rank's client fills from each step's rows: ``client/steps.py``), the steps in it from
+  the step time, plus the prefill entries of the prompts to come (``coming_prefill``: as many as the
   last horizon's); ``reactive``, the entries the servers computed over the last ``horizon``
   seconds;
 * the decision (``balance/policy.BalancePolicy``) and, when it says so, the re-placement as one
