@@ -227,9 +227,10 @@ class RoutingBook:
         with self._lock:
             live = np.fromiter(self._slot.values(), dtype=np.int64)
             decode = self._recent_decode(steps, live)
-            counts = self._counts[live].astype(np.float64)  # a copy: the step goes on
-            remaining = self._remaining[live]
-            arrivals = self._recent_arrivals(steps)
+            if decode is None:  # the fallback's inputs
+                counts = self._counts[live].astype(np.float64)  # a copy: the step goes on
+                remaining = self._remaining[live]
+                arrivals = self._recent_arrivals(steps)
         if decode is not None:
             out = steps * len(live) * self.top_k * _spread([decode])
             self.cost += time.perf_counter() - began
@@ -250,9 +251,7 @@ class RoutingBook:
         fewer started then, of the latest ``RECENT_ARRIVALS``. None where they have none."""
         pool = [(int(self._start[slot]), self._decode_of(slot))
                 for slot in live[self._started[live]]] + list(self._ended)
-        recent = [d for start, d in pool if start > self.steps - steps]
-        if len(recent) < RECENT_ARRIVALS:
-            recent = [d for _, d in sorted(pool, key=lambda x: x[0])[-RECENT_ARRIVALS:]]
+        recent = self._latest(sorted(pool, key=lambda x: x[0]), steps)
         total = np.sum(recent, axis=0) if recent else None
         return total if total is not None and total.any() else None
 
@@ -263,8 +262,8 @@ class RoutingBook:
         ``RECENT_ARRIVALS``')."""
         began = time.perf_counter()
         with self._lock:
+            window = self._latest(self._arrivals, steps, at_least=0)
             arrivals = self._recent_arrivals(steps)
-            window = [p for step, p in self._arrivals if step > self.steps - steps]
         out = np.zeros((len(self.layers), self.num_experts))
         if window:
             out = np.sum(window, axis=0).sum(axis=1, keepdims=True) * _spread(arrivals)
@@ -274,10 +273,17 @@ class RoutingBook:
     def _recent_arrivals(self, steps: int) -> list[np.ndarray]:
         """Under the lock: the prompt entries of the requests whose first decode step was
         one of the last ``steps``; where fewer started then, the latest ``RECENT_ARRIVALS``."""
-        recent = [p for step, p in self._arrivals if step > self.steps - steps]
-        if len(recent) >= RECENT_ARRIVALS:
+        return self._latest(self._arrivals, steps)
+
+    def _latest(self, started, steps: int, at_least: int = RECENT_ARRIVALS
+                ) -> list[np.ndarray]:
+        """Of ``started`` ((step of the first decode, value) in step order), the values of
+        those that started in the last ``steps`` steps; where fewer than ``at_least`` did,
+        the latest ``at_least``."""
+        recent = [value for step, value in started if step > self.steps - steps]
+        if len(recent) >= at_least:
             return recent
-        return [p for _, p in list(self._arrivals)[-RECENT_ARRIVALS:]]
+        return [value for _, value in list(started)[-at_least:]]
 
     def step_seconds(self) -> float | None:
         """The mean time between the last steps' ends (None before two)."""
