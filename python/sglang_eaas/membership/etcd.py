@@ -134,6 +134,7 @@ class EtcdMonitor(MonitorBackend):
         # after this many seconds without one); those suspected now
         self._beats: dict[str, tuple[float, float]] = {}
         self._suspected: set[str] = set()
+        self._listed: dict[str, Member] = {}  # "KIND/ID" -> its record in the last snapshot
         self._beats_cancel: Callable[[], None] | None = None
         self._closed = threading.Event()
         self._ticker: threading.Thread | None = None
@@ -169,11 +170,7 @@ class EtcdMonitor(MonitorBackend):
                     departure = self._departed(event.get("prev_kv") or {})
                 with self._cond:
                     if departure is not None:
-                        self._departures.append(replace(departure,
-                                                        revision=self._revision + 1))
-                        name = f"{departure.kind}/{departure.id}"
-                        self._beats.pop(name, None)
-                        self._suspected.discard(name)
+                        self._record_departure(replace(departure, revision=self._revision + 1))
                     self._revision += 1
                     self._cond.notify_all()
         except Exception as exc:  # the stream broke (etcd restarted, say): watch again later
@@ -183,13 +180,28 @@ class EtcdMonitor(MonitorBackend):
             self._revision += 1  # wake the watchers: they read the prefix afresh
             self._cond.notify_all()
 
+    def _record_departure(self, departure: Departure) -> None:
+        """Under the lock: ``departure`` kept for the snapshots, once per incarnation (a watch
+        event and ``_vanished`` may both find it), and its member no longer timed."""
+        if any(d.id == departure.id and d.incarnation == departure.incarnation
+               for d in self._departures):
+            return
+        self._departures.append(departure)
+        name = f"{departure.kind}/{departure.id}"
+        self._beats.pop(name, None)
+        self._suspected.discard(name)
+
     def _departed(self, prev: dict) -> Departure | None:
-        """The departure of the member whose record ``prev`` was, and why: what a report or a
-        leave wrote under its incarnation, else its lease ended: no heartbeat."""
+        """The departure of the member whose record ``prev`` was (a DELETE event's)."""
         try:
             member = verify(base64.b64decode(prev.get("value", "")), self.token)
         except (ControlError, ValueError):
             return None
+        return self._departure_of(member)
+
+    def _departure_of(self, member: Member) -> Departure:
+        """Why ``member`` departed: what a report or a leave wrote under its incarnation, else
+        its lease ended: no heartbeat."""
         why, reason = "lost: no heartbeat for its etcd lease's TTL", NO_HEARTBEAT
         try:
             rows = self._call(self.client.get, DEPARTED + member.incarnation)
@@ -261,7 +273,33 @@ class EtcdMonitor(MonitorBackend):
         with self._cond:
             self._cond.wait_for(lambda: self._revision > after, timeout)
             revision, departures = self._revision, tuple(self._departures)
-        return Snapshot(revision, tuple(self._members()), departures)
+        members = self._members()
+        return Snapshot(revision, tuple(members),
+                        departures + self._vanished(members, departures, revision))
+
+    def _vanished(self, members: list[Member], departures: tuple[Departure, ...],
+                  revision: int) -> tuple[Departure, ...]:
+        """The departures of the members this watcher listed last time and whose records are
+        gone now, where no watch event has told it yet: the members are read from etcd while
+        the departures come from the watch stream, which may lag the read (a loaded host) or
+        have missed the DELETE (the stream broke and was opened again), and a snapshot that
+        lacks a member must say why it left (a client keeps the last holder of an expert lost
+        on heartbeats alone, and tells a leave from a loss). Each is given ``revision``: this
+        snapshot's, so that the next one does not count it as new."""
+        present = {f"{m.kind}/{m.id}" for m in members}
+        told = {(d.id, d.incarnation) for d in departures}
+        with self._cond:
+            listed, self._listed = self._listed, {f"{m.kind}/{m.id}": m for m in members}
+            told |= {(d.id, d.incarnation) for d in self._departures}
+        gone = [self._departure_of(m) for name, m in listed.items()
+                if name not in present and (m.id, m.incarnation) not in told]
+        found = []
+        with self._cond:
+            for departure in gone:
+                departure = replace(departure, revision=revision)
+                self._record_departure(departure)
+                found.append(departure)
+        return tuple(found)
 
     def _members(self) -> list[Member]:
         loads = {meta["key"].decode()[len(LOADS):]: value for value, meta in
