@@ -255,6 +255,25 @@ def test_one_re_placement_per_shift(horizon):
     assert max(plan(held, mix(11) * 1000, LAYERS, SLOTS).before) <= 1.15
 
 
+def test_a_shift_within_the_cooldown_ends_it_and_noise_does_not():
+    """A new mix 8 s after a re-placement, with a 30 s cooldown: the policy re-places for it
+    once, seconds after the shift (its estimate overlaps the last plan's load by about 0.35,
+    below ``shift``), not at the cooldown's end; the noise of one mix (overlap about 0.97) ends
+    no cooldown, so there is no third re-placement. With ``shift`` 0 the cooldown holds."""
+    contiguous = Holdings.uniform({s: range(4 * i, 4 * i + 4) for i, s in enumerate(SERVERS)},
+                                  LAYERS)
+    trace = [mix(0)] * 10 + [mix(8)] * 40
+    policy = BalancePolicy(BalanceSettings("predictive", cooldown=30), LAYERS)
+    acts, held = run(policy, trace, contiguous, np.random.default_rng(4))
+    assert len(acts) == 2 and acts[0] < 10 and 10 < acts[1] <= 10 + 4, acts
+    assert "the mix shifted" in next(look.why for look in policy.looks if look.act
+                                     and look.at == acts[1])
+    assert max(plan(held, mix(8) * 1000, LAYERS, SLOTS).before) <= 1.15
+    held_on = BalancePolicy(BalanceSettings("predictive", cooldown=30, shift=0), LAYERS)
+    acts, _ = run(held_on, trace, contiguous, np.random.default_rng(4))
+    assert len(acts) == 2 and acts[1] >= acts[0] + 30, acts
+
+
 def test_a_plan_over_budget_keeps_the_layers_that_gain_most():
     current = Holdings.uniform({s: range(4 * i, 4 * i + 4) for i, s in enumerate(SERVERS)},
                                LAYERS)
@@ -321,9 +340,12 @@ def test_the_balance_flags_are_checked_in_one_sentence():
     assert settings() is None and settings("--eaas-balance", "off") is None
     got = settings("--eaas-balance", "predictive", "--eaas-balance-cooldown", "3",
                    "--eaas-balance-slots", "12")
-    assert (got.mode, got.cooldown, got.slots, got.trigger) == ("predictive", 3.0, 12, 1.15)
+    assert (got.mode, got.cooldown, got.slots, got.trigger, got.shift) == (
+        "predictive", 3.0, 12, 1.15, 0.8)
     with pytest.raises(ValueError, match="--eaas-balance-horizon only apply with --eaas-balance "
                        "reactive or predictive"):
         settings("--eaas-balance-horizon", "2")
     with pytest.raises(ValueError, match="--eaas-balance-trigger >= 1"):
         settings("--eaas-balance", "reactive", "--eaas-balance-trigger", "0.9")
+    with pytest.raises(ValueError, match="--eaas-balance-shift within 0-1"):
+        settings("--eaas-balance", "reactive", "--eaas-balance-shift", "1.5")

@@ -536,7 +536,11 @@ def add_cli_args(parser: argparse.ArgumentParser,
             ("horizon", float, "SECONDS", "seconds of load an estimate covers (default 5)"),
             ("trigger", float, "RATIO", "busiest server over the mean above which a MoE layer "
              "is imbalanced (default 1.15)"),
-            ("cooldown", float, "SECONDS", "least time between two re-placements (default 15)"),
+            ("cooldown", float, "SECONDS", "least time between two re-placements, unless the "
+             "mix shifted (default 15)"),
+            ("shift", float, "OVERLAP", "within the cooldown, an estimate that overlaps the "
+             "load the last re-placement planned on by less than this (0-1) is a new mix, and "
+             "ends the cooldown (default 0.8; 0: never)"),
             ("budget", _count, "N", "most replicas one re-placement adds (default 64)"),
             ("slots", _count, "N", "experts of one MoE layer an expert server may hold "
              "(default: what the fullest one holds now, so memory does not grow)")):
@@ -684,8 +688,8 @@ def layout_settings(args: argparse.Namespace) -> LayoutSettings | None:
 
 
 BALANCE_FLAGS = ("eaas_balance", "eaas_balance_period", "eaas_balance_horizon",
-                 "eaas_balance_trigger", "eaas_balance_cooldown", "eaas_balance_budget",
-                 "eaas_balance_slots")
+                 "eaas_balance_trigger", "eaas_balance_cooldown", "eaas_balance_shift",
+                 "eaas_balance_budget", "eaas_balance_slots")
 
 
 def balance_settings(args: argparse.Namespace) -> BalanceSettings | None:
@@ -699,13 +703,13 @@ def balance_settings(args: argparse.Namespace) -> BalanceSettings | None:
                              "predictive")
         return None
     optional = {name: getattr(args, f"eaas_balance_{name}") for name in (
-        "period", "horizon", "trigger", "cooldown", "budget", "slots")}
+        "period", "horizon", "trigger", "cooldown", "shift", "budget", "slots")}
     try:
         return BalanceSettings(mode, **{k: v for k, v in optional.items() if v is not None})
     except ValueError:
         raise ValueError("--eaas-balance-period and --eaas-balance-horizon must be > 0, "
-                         "--eaas-balance-trigger >= 1 and --eaas-balance-cooldown >= 0"
-                         ) from None
+                         "--eaas-balance-trigger >= 1, --eaas-balance-cooldown >= 0 and "
+                         "--eaas-balance-shift within 0-1") from None
 
 
 AUTOSCALE_FLAGS = ("eaas_autoscale", "eaas_autoscale_ttft", "eaas_autoscale_tpot",

@@ -7,7 +7,12 @@ entries the expert servers computed over the last window (their counters, as
 estimate alone:
 
 - too few entries in some MoE layer (``min_entries``): nothing, the estimate is noise;
-- within ``cooldown`` seconds of the last re-placement: nothing;
+- within ``cooldown`` seconds of the last re-placement: nothing, unless the mix shifted: the
+  estimate's overlap with the load that re-placement planned on (``load_overlap``, the mean
+  over MoE layers) is below ``shift``. The cooldown keeps one mix's noise from being chased;
+  a new mix is what a re-placement is for, and one that waits out the cooldown serves the
+  new mix on the old mix's placement meanwhile (an estimate of the same mix overlaps the last
+  one by about 0.85-0.93, one of another mix by 0.45-0.75: ``scripts/bench_forecast_bound``);
 - the estimate's busiest server over the mean (``balance/live.layer_ratios``) on the current
   placement is at most ``trigger`` in every layer: nothing, and the streak ends;
 - above it: a plan (``balance/live.plan``, the scaler and placer warm from the current
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sglang_eaas.balance.forecast import load_overlap
 from sglang_eaas.balance.live import Plan, layer_ratios, plan
 from sglang_eaas.balance.placer import moves
 from sglang_eaas.holdings import Holdings
@@ -46,6 +52,7 @@ class BalanceSettings:
     trigger: float = 1.15  # busiest server over the mean above which a layer is imbalanced
     gain: float = 0.05  # the least a plan must lower the worst layer's ratio by
     cooldown: float = 15.0  # seconds after a re-placement before the next
+    shift: float = 0.8  # within the cooldown, an overlap with the last plan's load below this
     budget: int = 64  # replicas one re-placement adds at most
     min_entries: int = 256  # entries an estimate needs in every MoE layer
     settle: int = 2  # looks a plan must keep holding before it is acted on
@@ -56,11 +63,12 @@ class BalanceSettings:
             raise ValueError(f"the balance mode must be one of {', '.join(MODES)}, got "
                              f"{self.mode!r}")
         if min(self.period, self.horizon) <= 0 or self.trigger < 1 or self.gain < 0 \
-                or self.cooldown < 0 or min(self.budget, self.min_entries, self.settle) < 1 \
+                or self.cooldown < 0 or not 0 <= self.shift <= 1 \
+                or min(self.budget, self.min_entries, self.settle) < 1 \
                 or (self.slots is not None and self.slots < 1):
             raise ValueError("the balancer needs period and horizon > 0, trigger >= 1, gain "
-                             ">= 0, cooldown >= 0, and budget, min_entries, settle and slots "
-                             ">= 1")
+                             ">= 0, cooldown >= 0, shift within 0-1, and budget, min_entries, "
+                             "settle and slots >= 1")
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,8 @@ class BalancePolicy:
     settings: BalanceSettings
     layers: tuple[int, ...]
     last_act: float = float("-inf")
+    planned_on: np.ndarray | None = field(default=None, repr=False)  # the last act's load
+    _chosen: np.ndarray | None = field(default=None, repr=False)  # the plan just returned's
     _pending: list[Plan] = field(default_factory=list, repr=False)  # the streak's plans
     looks: list[Look] = field(default_factory=list, repr=False)  # the last few, for metrics
 
@@ -96,8 +106,13 @@ class BalancePolicy:
             return self._record(Look(now, None, None, False, f"too little load ({least:.0f} "
                                      f"entries in a MoE layer, fewer than {s.min_entries})"))
         worst = max(layer_ratios(current, estimate, self.layers))
+        shifted, overlap = "", self.overlap_with_last_plan(estimate)
         if now - self.last_act < s.cooldown:
-            return self._record(Look(now, worst, None, False, "cooldown"))
+            if overlap is None or overlap >= s.shift:
+                return self._record(Look(now, worst, None, False, "cooldown" + (
+                    "" if overlap is None else f" (overlap {overlap:.2f} with the last "
+                    "re-placement's load)")))
+            shifted = f"; the mix shifted (overlap {overlap:.2f} with the last plan's load)"
         if worst <= s.trigger:
             self._pending = []
             return self._record(Look(now, worst, None, False, f"balanced ({worst:.2f}x)"))
@@ -124,12 +139,24 @@ class BalancePolicy:
                                      f"{s.gain:.2f} ({worst:.2f}x -> {planned:.2f}x needs more)"))
         adds = sum(len(m.adds) for m in chosen.moves)
         look, _ = self._record(Look(now, worst, max(chosen.after), True,
-                                    f"{worst:.2f}x -> {max(chosen.after):.2f}x", adds))
+                                    f"{worst:.2f}x -> {max(chosen.after):.2f}x{shifted}", adds))
+        self._chosen = estimate
         return look, chosen
 
     def acted(self, now: float) -> None:
-        """The caller applied (or tried to apply) the plan: the cooldown starts."""
+        """The caller applied (or tried to apply) the plan: the cooldown starts, and the
+        load it was planned on is what a shift is measured from."""
         self.last_act, self._pending = now, []
+        if self._chosen is not None:
+            self.planned_on, self._chosen = self._chosen, None
+
+    def overlap_with_last_plan(self, estimate: np.ndarray) -> float | None:
+        """The mean over MoE layers of ``estimate``'s overlap with the load the last
+        re-placement was planned on (None before one)."""
+        if self.planned_on is None:
+            return None
+        overlap = load_overlap(self.planned_on, estimate)
+        return None if np.isnan(overlap).all() else float(np.nanmean(overlap))
 
     def _record(self, look: Look) -> tuple[Look, None]:
         self.looks = (self.looks + [look])[-64:]

@@ -109,7 +109,7 @@ class TierBalancer:
         slots = self.settings.slots or max(1, fullest(current))
         look, chosen = self.policy.look(now, estimate, current, slots)
         if self.metrics is not None:
-            self.metrics.looked(look, book)
+            self.metrics.looked(look, book, self.policy.overlap_with_last_plan(estimate))
         why = look.why.split(" (")[0]
         if why != self._last_why:  # each change of verdict, once
             forecast_of = ("" if book is None else f" [forecast of {book.running} running "
@@ -178,6 +178,10 @@ class _Metrics(OptionalMetrics):
                            "look, over the mean step time", **gauge)
         self._running = Gauge("sglang_eaas_balance_forecast_requests", "Running requests the "
                               "forecast sums", **gauge)
+        self._shift = Gauge("sglang_eaas_balance_overlap_with_last_plan", "The estimate's "
+                            "overlap with the load the last re-placement was planned on (mean "
+                            "over MoE layers; below --eaas-balance-shift the mix shifted and "
+                            "the cooldown ends)", **gauge)
         self._replacements = Counter("sglang_eaas_balance_replacements", "Re-placements the "
                                      "balancer made")
         self._replicas = Counter("sglang_eaas_balance_replicas_added", "Replicas its "
@@ -187,9 +191,11 @@ class _Metrics(OptionalMetrics):
     def judged(self, estimate: str, overlap: float) -> None:
         self._overlap.labels(estimate=estimate).set(overlap)
 
-    def looked(self, look, book: RoutingBook | None) -> None:
+    def looked(self, look, book: RoutingBook | None, shift: float | None) -> None:
         if look.worst is not None:
             self._imbalance.set(look.worst)
+        if shift is not None:
+            self._shift.set(shift)
         if book is None:
             return
         cost, steps = self._last
