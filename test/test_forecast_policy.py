@@ -80,9 +80,14 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
     assert (got == decoded).all() and decode_steps == 2
     assert book.take_decoded()[0].sum() == 0  # reset
     # the forecast of the next 6 steps: 6 steps of the 2 running requests (a, c), 6 * 2 * K
-    # entries per layer, spread as the decode rows of the requests that started (a, b and c;
-    # b has ended) spread theirs
-    share = decoded / decoded.sum(axis=1, keepdims=True)
+    # entries per layer, spread as the requests that started (a, b and c; b has ended) spread
+    # their decode rows, each weighed by its decode rows over FULL_ROWS (a 2, b 2, c 1)
+    from sglang_eaas.balance.forecast import FULL_ROWS
+
+    rows = {"a": 2, "b": 2, "c": 1}
+    share = sum(rows[key] / FULL_ROWS * own / own.sum(axis=1, keepdims=True)
+                for key in rows for own in [expected[key] - prompt[key]])
+    share /= sum(rows.values()) / FULL_ROWS
     assert np.allclose(book.forecast(6), 6 * 2 * K * share)
     assert book.unattributed == 0
 
@@ -159,6 +164,35 @@ def test_the_decode_to_come_is_spread_as_the_decode_of_the_newest_starters():
     assert expected(3)[0, 1] == 3 * K and expected(3)[0, 5] == 0  # not the prompts' expert
     assert np.allclose(book.forecast(30), expected(30))  # 6 old and 4 new starters
     assert 0 < expected(30)[0, 1] < expected(30)[0, 0]
+
+
+def test_each_starter_counts_alike_once_it_decoded_full_rows():
+    """A starter's decode counts in proportion to its decode rows up to ``FULL_ROWS``, then in
+    full, whatever it decoded past that: after a shift, the new mix's starters (a few rows
+    each) are not outweighed by the old mix's (many rows each)."""
+    from sglang_eaas.balance.forecast import FULL_ROWS, RECENT_ARRIVALS
+
+    book = RoutingBook(LAYERS, E, K)
+    step = _one_entry_steps(book)
+    old, new = 4 * FULL_ROWS, 2  # decode rows of the old starter and of each new one
+    step([StepRequest("old", 3, False, 99)], 5)
+    for i in range(old):
+        step([StepRequest("old", 1, True, 99 - i)], 0)
+    for i in range(RECENT_ARRIVALS - 1):
+        step([StepRequest(f"new{i}", 3, False, 99)], 5)
+    for i in range(new):
+        step([StepRequest(f"new{j}", 1, True, 99 - i) for j in range(RECENT_ARRIVALS - 1)]
+             + [StepRequest("old", 1, True, 99 - old - i)], 1)
+    # the old one has decoded old + new rows on experts 0 then 1; each new one new rows on 1
+    weight_old, weight_new = 1.0, new / FULL_ROWS
+    share_old_on_1 = new / (old + new)
+    on_1 = (weight_old * share_old_on_1 + (RECENT_ARRIVALS - 1) * weight_new) / (
+        weight_old + (RECENT_ARRIVALS - 1) * weight_new)
+    got = book.forecast(10)
+    total = 10 * RECENT_ARRIVALS * K
+    assert np.allclose(got[:, 1], total * on_1) and np.allclose(got[:, 0], total * (1 - on_1))
+    pooled = ((RECENT_ARRIVALS - 1) * new + new) / ((RECENT_ARRIVALS - 1) * new + old + new)
+    assert on_1 > pooled + 0.2  # rows pooled would keep the old mix's share
 
 
 def test_rows_that_do_not_tile_the_step_are_left_out_and_counted():

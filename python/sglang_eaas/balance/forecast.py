@@ -4,12 +4,15 @@ Each running request gets a *profile*: the entries its own rows made per (MoE la
 so far, its prefill's (its prompt) and then its decode's (``RoutingBook``, fed by the client
 with each step's rows and which request owns them). The forecast of the next ``steps`` decode
 steps is ``steps * running * top_k`` entries per layer spread as the decode rows of the
-requests that started over the last ``steps`` steps spread theirs: the newest starters are the
-mix now arriving, and a mix's decode tells its decode better than its prompts do
-(``scripts/bench_forecast_bound.py``). Before any of them has decoded, it falls back to the
-prompts: each running request's ``min(steps, remaining) * top_k`` spread as its own profile,
-the rest as the newest prompts. Requests still in SGLang's queue have no routing yet and are
-not in it; they show up at their prefill, a step after admission.
+requests that started over the last ``steps`` steps spread theirs, each request counted alike
+once it decoded ``FULL_ROWS`` rows (in proportion to its rows before): the newest starters are
+the mix now arriving, and a mix's decode tells its decode better than its prompts do
+(``scripts/bench_forecast_bound.py``). Pooling their rows instead would weigh the starters by
+the rows they decoded so far, so after a shift of the mix the old mix's longer-running
+starters would outweigh the new ones for most of a window. Before any of them has decoded,
+it falls back to the prompts: each running request's ``min(steps, remaining) * top_k``
+spread as its own profile, the rest as the newest prompts. Requests still in SGLang's queue
+have no routing yet and are not in it; they show up at their prefill, a step after admission.
 
 The servers count prefill entries too, and a prompt routes all its tokens at once: the entries
 of the prompts to come (``coming_prefill``) are those of the prompts that started over the last
@@ -35,6 +38,7 @@ import numpy as np
 MISSED = 2  # complete steps in a row a running request may be missing from before it leaves
 ARRIVALS = 64  # requests whose prompt routing is kept to stand for the ones still to come
 RECENT_ARRIVALS = 4  # at least so many of the latest stand for them, however long ago
+FULL_ROWS = 8  # decode rows from which a starter's decode counts in full in the forecast
 
 
 @dataclass(frozen=True)
@@ -75,9 +79,10 @@ class RoutingBook:
         self._missed = np.zeros(0, dtype=np.int64)  # complete steps in a row it was not in
         self._started = np.zeros(0, dtype=bool)  # whether it decoded (its prompt is counted)
         self._start = np.zeros(0, dtype=np.int64)  # the step of its first decode
+        self._decode_rows = np.zeros(0, dtype=np.int64)  # the decode rows it made so far
         self._prompt = np.zeros((0, len(self.layers), num_experts), dtype=np.float32)
-        # the decode entries [L, E] of the latest requests that ended, with their first decode
-        self._ended: collections.deque[tuple[int, np.ndarray]] = collections.deque(
+        # the latest requests that ended: (their first decode, (decode entries [L, E], rows))
+        self._ended: collections.deque[tuple[int, tuple[np.ndarray, int]]] = collections.deque(
             maxlen=ARRIVALS)
         # the latest requests' prompt entries [L, E], with the step of their first decode
         self._arrivals: collections.deque[tuple[int, np.ndarray]] = collections.deque(
@@ -145,6 +150,8 @@ class RoutingBook:
                 if prompt.any():
                     self._arrivals.append((self.steps, prompt))
             self._counts[slots] += counts.transpose(1, 0, 2)
+            self._decode_rows[slots[decode]] += np.array(
+                [r.rows for r in requests if r.decode], dtype=np.int64)
             self._remaining[slots] = [r.remaining for r in requests]
             self._seen[slots] = self.steps
             if tiled and decode.any():
@@ -180,6 +187,7 @@ class RoutingBook:
             self._missed = np.concatenate([self._missed, np.zeros(grow, np.int64)])
             self._started = np.concatenate([self._started, np.zeros(grow, bool)])
             self._start = np.concatenate([self._start, np.zeros(grow, np.int64)])
+            self._decode_rows = np.concatenate([self._decode_rows, np.zeros(grow, np.int64)])
             self._prompt = np.concatenate([self._prompt, np.zeros(
                 (grow, *self._prompt.shape[1:]), dtype=self._prompt.dtype)])
             self._free = list(range(old + grow - 1, old - 1, -1))
@@ -187,6 +195,7 @@ class RoutingBook:
         self._counts[slot] = 0
         self._missed[slot] = 0
         self._started[slot] = False
+        self._decode_rows[slot] = 0
         return slot
 
     def _release(self, key: str) -> None:
@@ -197,9 +206,11 @@ class RoutingBook:
             self._remaining[slot] = 0
             self._free.append(slot)
 
-    def _decode_of(self, slot: int) -> np.ndarray:
-        """``[L, E]``: the entries a started request's decode rows made so far."""
-        return (self._counts[slot] - self._prompt[slot]).astype(np.float64)
+    def _decode_of(self, slot: int) -> tuple[np.ndarray, int]:
+        """A started request's decode so far: the ``[L, E]`` entries of its rows, and its
+        rows."""
+        return ((self._counts[slot] - self._prompt[slot]).astype(np.float64),
+                int(self._decode_rows[slot]))
 
     @property
     def running(self) -> int:
@@ -216,9 +227,10 @@ class RoutingBook:
         running * top_k`` per layer (the tier keeps about as many requests running, the ones
         that end replaced), spread as the decode entries of the requests that started over the
         last ``steps`` steps (at least the latest ``RECENT_ARRIVALS``; running or ended) spread
-        theirs: a mix's decode is told best by that mix's decode (``bench_forecast_bound``:
-        better than its prompts), and the newest starters are the mix now arriving, a window
-        ahead of the servers' counters of the last window.
+        theirs, each alike from ``FULL_ROWS`` decode rows: a mix's decode is told best by that
+        mix's decode (``bench_forecast_bound``: better than its prompts), and the newest
+        starters are the mix now arriving, a window ahead of the servers' counters of the last
+        window.
 
         Before any of them decoded an entry, the older forecast: each running request's
         ``min(steps, remaining) * top_k`` spread as its own entries, the rest spread as the
@@ -232,7 +244,9 @@ class RoutingBook:
                 remaining = self._remaining[live]
                 arrivals = self._recent_arrivals(steps)
         if decode is not None:
-            out = steps * len(live) * self.top_k * _spread([decode])
+            profiles, rows = zip(*decode)
+            weights = np.minimum(1.0, np.array(rows, dtype=np.float64) / FULL_ROWS)
+            out = steps * len(live) * self.top_k * _spread(list(profiles), weights)
             self.cost += time.perf_counter() - began
             return out
         total = counts.sum(axis=2, keepdims=True)
@@ -245,15 +259,17 @@ class RoutingBook:
         self.cost += time.perf_counter() - began
         return out
 
-    def _recent_decode(self, steps: int, live: np.ndarray) -> np.ndarray | None:
-        """Under the lock: ``[L, E]``, the decode entries of the requests whose first decode
-        step was one of the last ``steps`` (running, or among the latest that ended); where
-        fewer started then, of the latest ``RECENT_ARRIVALS``. None where they have none."""
+    def _recent_decode(self, steps: int, live: np.ndarray
+                       ) -> list[tuple[np.ndarray, int]] | None:
+        """Under the lock: the ``[L, E]`` decode entries and the decode rows of each request
+        whose first decode step was one of the last ``steps`` (running, or among the latest
+        that ended); where fewer started then, of the latest ``RECENT_ARRIVALS``. None where
+        they have none."""
         pool = [(int(self._start[slot]), self._decode_of(slot))
                 for slot in live[self._started[live]]] + list(self._ended)
-        recent = self._latest(sorted(pool, key=lambda x: x[0]), steps)
-        total = np.sum(recent, axis=0) if recent else None
-        return total if total is not None and total.any() else None
+        recent = [d for d in self._latest(sorted(pool, key=lambda x: x[0]), steps)
+                  if d[0].any()]
+        return recent or None
 
     def coming_prefill(self, steps: int) -> np.ndarray:
         """``[L, E]`` float64: the prefill entries of the next ``steps`` steps, taken to be
@@ -299,12 +315,13 @@ class RoutingBook:
         return decoded, steps
 
 
-def _spread(prompts: list[np.ndarray]) -> np.ndarray:
-    """``[L, E]``: the mean of the prompts' entries, each normalised to sum 1 per layer (a
-    prompt with none in a layer adds nothing there)."""
-    stacked = np.stack(prompts)
+def _spread(profiles: list[np.ndarray], weights: np.ndarray | None = None) -> np.ndarray:
+    """``[L, E]``: the (``weights``-weighted) mean of the requests' entries, each normalised
+    to sum 1 per layer (a request with none in a layer adds nothing there)."""
+    stacked = np.stack(profiles)
     total = stacked.sum(axis=2, keepdims=True)
-    return np.divide(stacked, total, out=np.zeros_like(stacked), where=total > 0).mean(axis=0)
+    shares = np.divide(stacked, total, out=np.zeros_like(stacked), where=total > 0)
+    return np.average(shares, axis=0, weights=weights)
 
 
 def _host(ids) -> np.ndarray:
