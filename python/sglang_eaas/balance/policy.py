@@ -9,8 +9,7 @@ estimate alone:
 - too few entries in some MoE layer (``min_entries``): nothing, the estimate is noise;
 - within ``cooldown`` seconds of the last re-placement: nothing, unless the mix shifted: the
   estimate's overlap with the load that re-placement planned on (``load_overlap``, the mean
-  over MoE layers) is below ``shift`` (and stays below it through the settling looks below:
-  one noisy look does not end a cooldown). The cooldown keeps one mix's noise from being chased;
+  over MoE layers) is below ``shift``. The cooldown keeps one mix's noise from being chased;
   a new mix is what a re-placement is for, and one that waits out the cooldown serves the
   new mix on the old mix's placement meanwhile (an estimate of the same mix overlaps the last
   one by about 0.85-0.93, one of another mix by 0.45-0.75: ``scripts/bench_forecast_bound``);
@@ -110,7 +109,6 @@ class BalancePolicy:
         shifted, overlap = "", self.overlap_with_last_plan(estimate)
         if now - self.last_act < s.cooldown:
             if overlap is None or overlap >= s.shift:
-                self._pending = []  # a shift is acted on only after settled looks below it
                 return self._record(Look(now, worst, None, False, "cooldown" + (
                     "" if overlap is None else f" (overlap {overlap:.2f} with the last "
                     "re-placement's load)")))
