@@ -3,13 +3,19 @@
 1. **Microbenchmarks, fitted into a profile** (``plan/profiles/cpu-here.yaml``'s numbers):
    * the expert server's kernel (``weighted_expert_sum``, the fast C++ kernel at 1 thread, as a
      server runs it) on every expert of one layer of the bench checkpoint (bfloat16, 32
-     experts, hidden 1024, intermediate 512, top-4), in this process, at ``--fit-batches``
-     tokens: the device's ``expert_curve``, the seconds per byte of an expert's weights at
-     each mean count of entries per expert (``batch x top-k / experts``; the planner
-     interpolates between the points), with each inner point's error when it is left out and
-     interpolated from the others; and, for the rest of a step (attention, the LM head), the
-     roofline's memory bandwidth and FLOP/s, one after the other (``roofline: sum``: a core
-     streams and multiplies in turn), least squares of the relative error;
+     experts, hidden 1024, intermediate 512, top-4), in this process, with every expert
+     computing exactly k rows for each k of ``--fit-rows``: the device's ``expert_rows``, the
+     seconds per byte of an expert's weights at k rows (the planner averages it over a Poisson
+     count of rows of the mean a placement gives; the kernel changes its inner loop with the
+     rows it multiplies together, so a mean count alone does not give the mean cost); checked
+     out of sample on random top-4 routing of ``--fit-batches`` tokens; and, for the rest of a
+     step (attention, the LM head), the roofline's memory bandwidth and FLOP/s, one after the
+     other (``roofline: sum``: a core streams and multiplies in turn), least squares of the
+     relative error;
+   * ``host_cores``, this host's cores, which its expert servers share, each server's work
+     for a layer call run to its end on one core (list scheduling); checked by 1 to
+     ``--busy`` processes running the kernel at once (``--busy-batch`` tokens), each one's
+     time per call against one alone's: the cores' worth of work n busy processes get;
    * the slot protocol's echo round trips over shm (``bench_p2p``'s peers: one client and 1
      or 2 servers, each its own process, a (batch, 7168) bfloat16 payload): ``round trip / 2 =
      servers x (fixed + bytes / bandwidth)``, least squares: the intra-node link's fixed cost
@@ -19,10 +25,12 @@
      the kernel's time and the two messages is the endpoints' own work per layer call (routing,
      copies, sums), ``2 * (call_s + entries * entry_s)``, fitted on the relative error of the
      round trip with a robust loss (one noisy point does not move it): the fabric's ``call_s``
-     and ``entry_s``;
-   * ``host_cores``: this host's cores, which its expert servers share.
+     and ``entry_s``.
 
-   Every point is the median of ``--runs`` runs, each the median of ``--repeat`` calls.
+   Every point is the median of ``--runs`` runs, each the median of ``--repeat`` calls that
+   cycle through 8 batches, each MoE layer twice with routing of its own, as serving calls the
+   layers in turn (one batch of one layer called again and again finds its experts' weights in
+   the cache, which makes small batches look up to 2x cheaper per expert than serving sees).
 2. **Configurations, predicted and measured** (out of sample: none of them is a fit point but
    the 1-server ones, marked): ``--configs`` of (layout, servers, copies of each expert, batch),
    each started as ``--eaas-expert-servers local:N`` starts servers (``start_local_servers``; TP
@@ -31,11 +39,11 @@
    ``EaasClient.forward`` timed (random top-4 routing); the prediction is the planner's own
    layer (``Tier.phase`` for the servers, ``fabric_phase`` for the messages) on the fitted
    profile. Printed: predicted, measured, error per configuration and the median error, and,
-   to show what each part of the model is worth, the same prediction without the host's cores
+   to show what each part of the model is worth, the same prediction with the host's cores not
    shared (the busiest server gates), and with the model before this calibration (a GPU's
    roofline fitted to the kernel, no per-entry term, cores not shared).
 
-It starts up to 4 expert servers and takes the machine's cores for about 90 s a run.
+It starts up to 4 expert servers and takes the machine's cores for about 2 minutes a run.
 
     python scripts/bench_plan_calibrate.py [--runs 3] [--repeat 41] [--write-profile PATH]
 """
@@ -43,12 +51,15 @@ It starts up to 4 expert servers and takes the machine's cores for about 90 s a 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import os
 import secrets
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -74,6 +85,7 @@ from sglang_eaas.plan.profile import PROFILES, load_profile, parse_profile  # no
 from sglang_eaas.plan.tier import Tier  # noqa: E402
 from sglang_eaas.tools.make_tiny_model import PRESETS, cached_model  # noqa: E402
 
+ROTATION = 8  # batches every timed point cycles through: each MoE layer twice, routed anew
 # (layout, servers, copies of each expert, batch tokens)
 CONFIGS = [(EP, 1, 1, 1), (EP, 1, 1, 32), (EP, 2, 1, 8), (EP, 4, 1, 32), (EP, 2, 2, 32),
            (EP, 4, 2, 8), (TP, 2, 1, 8), (TP, 4, 1, 1), (TP, 2, 1, 32), (EP, 3, 1, 16)]
@@ -88,6 +100,14 @@ def parse_args() -> argparse.Namespace:
                        for i, c in enumerate(CONFIGS)) + "); default all")
     p.add_argument("--fit-batches", default="1,2,4,8,16,64",
                    help="batch sizes of the microbenchmarks; default %(default)s")
+    p.add_argument("--fit-rows", default="1,2,3,4,6,8,12,16,24",
+                   help="rows per expert of the kernel's exact-rows microbenchmark; default "
+                   "%(default)s")
+    p.add_argument("--busy", type=int, default=4,
+                   help="the most processes running the kernel at once (1 to this many); "
+                   "default %(default)s")
+    p.add_argument("--busy-batch", type=int, default=16,
+                   help="their batch; default %(default)s")
     p.add_argument("--runs", type=int, default=3,
                    help="runs of everything; each point is their median; default 3")
     p.add_argument("--repeat", type=int, default=41,
@@ -116,19 +136,111 @@ def uniform(info: MoeModelInfo) -> ExpertLoad:
                                                       1.0 / info.num_experts), "uniform")
 
 
+def every_expert(model: Path, info: MoeModelInfo) -> dict:
+    """MoE layer -> every expert of it, in bfloat16, for the kernel at 1 thread."""
+    torch.set_num_threads(1)
+    return load_experts(model, info, list(range(info.num_experts)), torch.bfloat16)
+
+
+def rotation(calls: list) -> Callable[[], object]:
+    """One call after the other of ``calls``, round and round: the MoE layers in turn, each
+    with routing of its own, as serving calls them (one batch of one layer called again and
+    again would find its experts in the cache, which serving does not)."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+def kernel_call(layers: dict, layer_id: int, hidden, ids, weights) -> Callable[[], object]:
+    layer = layers[layer_id]
+    flat = local_experts(layer, ids)
+    return lambda: weighted_expert_sum(layer, hidden, flat, weights)
+
+
 def kernel_times(model: Path, info: MoeModelInfo, batches: list[int], repeat: int
                  ) -> dict[int, float]:
-    """Microseconds of ``weighted_expert_sum`` on every expert of one layer, 1 thread."""
-    torch.set_num_threads(1)
-    layer_id = info.moe_layers[0]
-    layer = load_experts(model, info, list(range(info.num_experts)), torch.bfloat16)[layer_id]
+    """Microseconds of ``weighted_expert_sum`` on every expert of a layer, 1 thread, on random
+    top-k routing of ``batches`` tokens, the layers in turn."""
+    layers = every_expert(model, info)
     out = {}
     for b in batches:
-        batch = make_batches(info, b, torch.bfloat16, 1, seed=b)[0]
-        rows = local_experts(layer, batch.expert_ids)
-        out[b] = median_us(lambda: weighted_expert_sum(layer, batch.hidden, rows,
-                                                       batch.router_weights), repeat)
+        out[b] = median_us(rotation([
+            kernel_call(layers, x.layer_id, x.hidden, x.expert_ids, x.router_weights)
+            for x in make_batches(info, b, torch.bfloat16, ROTATION, seed=b)]), repeat)
         say(f"kernel, batch {b}: {out[b]:.1f} us")
+    return out
+
+
+def exact_rows(info: MoeModelInfo, k: int, seed: int):
+    """(hidden, expert ids, router weights) of a batch in which every expert gets exactly
+    ``k`` rows: ``k * E / top_k`` tokens, token t routed to experts ``top_k * t + j`` mod E
+    (shuffled by ``seed``)."""
+    e, top = info.num_experts, info.top_k
+    if (k * e) % top:
+        raise ValueError(f"{k} rows per expert need k * {e} divisible by top-k {top}")
+    tokens = k * e // top
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(e, generator=gen)
+    ids = order[(torch.arange(tokens)[:, None] * top + torch.arange(top)[None, :]) % e]
+    weights = torch.rand(tokens, top, generator=gen) + 0.1
+    hidden = torch.randn(tokens, info.hidden_size, generator=gen).to(torch.bfloat16)
+    return hidden, ids.int(), (weights / weights.sum(dim=-1, keepdim=True)).float()
+
+
+def kernel_rows_times(model: Path, info: MoeModelInfo, rows: list[int], repeat: int
+                      ) -> dict[int, float]:
+    """Microseconds of ``weighted_expert_sum`` on a layer whose every expert computes exactly
+    k rows, for each k of ``rows``, 1 thread, the layers in turn."""
+    layers = every_expert(model, info)
+    out = {}
+    for k in rows:
+        out[k] = median_us(rotation([
+            kernel_call(layers, info.moe_layers[i % len(info.moe_layers)],
+                        *exact_rows(info, k, seed=1000 * k + i)) for i in range(ROTATION)]),
+            repeat)
+        say(f"kernel, {k} rows per expert: {out[k]:.1f} us")
+    return out
+
+
+def _busy_kernel(model: Path, batch: int, calls: int, start, out) -> None:
+    """One of several processes: the kernel at ``batch`` (the layers in turn) for ``calls``
+    calls once ``start`` is set; the median call's microseconds to ``out``."""
+    info = MoeModelInfo.from_model_path(model)
+    layers = every_expert(model, info)
+    call = rotation([kernel_call(layers, x.layer_id, x.hidden, x.expert_ids, x.router_weights)
+                     for x in make_batches(info, batch, torch.bfloat16, ROTATION, seed=batch)])
+    for _ in range(ROTATION):
+        call()
+    start.wait()
+    times = []
+    for _ in range(calls):
+        began = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - began)
+    out.put(statistics.median(times) * 1e6)
+
+
+def busy_times(model: Path, counts: list[int], batch: int, calls: int) -> dict[int, float]:
+    """busy processes -> the median microseconds of one kernel call (``batch`` tokens, every
+    expert of a layer) in each of that many processes running it at once on this host, as
+    that many expert servers would: what the host's cores give several busy processes
+    (their memory bandwidth and caches shared, their switches)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = {}
+    for count in counts:
+        start, results = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_busy_kernel, args=(model, batch, calls, start, results))
+                 for _ in range(count)]
+        for p in procs:
+            p.start()
+        time.sleep(8.0)  # every process loaded and warm
+        start.set()
+        medians = [results.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join()
+        out[count] = statistics.median(medians)
+        say(f"kernel, batch {batch}, {count} busy processes at once: {out[count]:.1f} us each")
     return out
 
 
@@ -148,9 +260,11 @@ def layer_time(model: Path, info: MoeModelInfo, placements, parts: int | None, b
                             torch.bfloat16, "bench_plan_calibrate", transport="shm",
                             poll_spin=spin)
         try:
-            b = make_batches(info, batch, torch.bfloat16, 1, seed=batch)[0]
-            return median_us(lambda: client.forward(b.layer_id, b.hidden, b.expert_ids,
-                                                    b.router_weights), repeat)
+            return median_us(rotation([
+                functools.partial(client.forward, x.layer_id, x.hidden, x.expert_ids,
+                                  x.router_weights)
+                for x in make_batches(info, batch, torch.bfloat16, ROTATION, seed=batch)]),
+                repeat)
         finally:
             client.close()
     finally:
@@ -178,18 +292,26 @@ def fit_device(spec: ModelSpec, kernel: dict[int, float], roofline: str
     return 10 ** found.x[0], 10 ** found.x[1], err
 
 
-def fit_curve(spec: ModelSpec, kernel: dict[int, float]
-              ) -> tuple[list[float], list[float], dict[int, float]]:
-    """The device's ``expert_curve`` from ``kernel`` (entries per expert, seconds per byte of
-    an expert), and each inner point's relative error when left out and interpolated."""
-    e, k = spec.info.num_experts, spec.info.top_k
-    points = sorted((b * k / e, kernel[b] * 1e-6 / (e * spec.expert_bytes)) for b in kernel)
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    left_out = {}
-    for i in range(1, len(xs) - 1):
-        guess = np.interp(xs[i], xs[:i] + xs[i + 1:], ys[:i] + ys[i + 1:])
-        left_out[round(xs[i] * e / k)] = float(guess / ys[i] - 1)
-    return xs, ys, left_out
+def fit_rows(spec: ModelSpec, rows: dict[int, float], kernel: dict[int, float]
+             ) -> tuple[list[int], list[float], dict[int, float]]:
+    """The device's ``expert_rows`` from ``rows`` (exactly k rows per expert: seconds per
+    byte of an expert), and its error on the random batches of ``kernel`` (out of sample:
+    the planner's mean over a Poisson count of rows against the kernel's measured time)."""
+    e, top = spec.info.num_experts, spec.info.top_k
+    xs = sorted(rows)
+    ys = [rows[k] * 1e-6 / (e * spec.expert_bytes) for k in xs]
+    base = load_profile("cpu-here")
+    device = parse_profile(_profile_dict(base, 1e10, 1e10, None, None,
+                                         rows=(xs, ys))).device
+    errors = {b: float(expert_costs(np.full(e, b * top / e), spec, device).sum() * 1e6
+                       / kernel[b] - 1) for b in kernel}
+    return xs, ys, errors
+
+
+def host_parallelism(busy: dict[int, float]) -> list[float]:
+    """The cores' worth of work 1, 2, ... busy processes get: n times one alone's time over
+    each one's time with n busy."""
+    return [round(n * busy[1] / busy[n], 3) for n in sorted(busy)]
 
 
 def slot_round_trips(batches: list[int], repeat: int) -> dict[tuple[int, int], float]:
@@ -235,7 +357,7 @@ def fit_call(spec: ModelSpec, trips: dict[int, float], kernel: dict[int, float],
 
 
 def _profile_dict(base, bandwidth, flops, fixed, link_bw, call=0.0, entry=0.0,
-                  roofline="sum", cores=None, curve=None) -> dict:
+                  roofline="sum", cores=None, rows=None) -> dict:
     made = {"name": "cpu-here",
             "device": {"memory_bandwidth": bandwidth,
                        "flops": {"bfloat16": flops, "float32": flops},
@@ -249,8 +371,8 @@ def _profile_dict(base, bandwidth, flops, fixed, link_bw, call=0.0, entry=0.0,
             "price_per_gpu_hour": base.price_per_gpu_hour}
     if cores:
         made["host_cores"] = cores
-    if curve:
-        made["device"]["expert_curve"] = {"entries": curve[0], "seconds_per_byte": curve[1]}
+    if rows:
+        made["device"]["expert_rows"] = {"rows": rows[0], "seconds_per_byte": rows[1]}
     return made
 
 
@@ -271,8 +393,9 @@ def predict(spec: ModelSpec, profile, layout: str, servers: int, copies: int, ba
 
 
 def one_host(profile: dict, servers: int) -> dict:
-    """``profile`` with every one of ``servers`` on one node (the calibration's host)."""
-    return {**profile, "gpus_per_node": max(servers, profile["gpus_per_node"])}
+    """``profile`` with the client and every one of ``servers`` on one node (the
+    calibration's host; the planner numbers attention devices first, then servers)."""
+    return {**profile, "gpus_per_node": max(servers + 1, profile["gpus_per_node"])}
 
 
 def main() -> int:
@@ -286,6 +409,8 @@ def main() -> int:
     log_path = ROOT / ".cache" / "logs" / "bench-plan-calibrate-servers.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     fit_batches = [int(x) for x in args.fit_batches.split(",")]
+    fit_rows_list = [int(x) for x in args.fit_rows.split(",")]
+    busy_counts = list(range(1, args.busy + 1))
     chosen = [CONFIGS[int(i)] for i in args.configs.split(",")]
     base = load_profile("cpu-here")
     placements = {c: predict(spec, parse_profile(one_host(_profile_dict(
@@ -297,6 +422,8 @@ def main() -> int:
             everything = list(range(info.num_experts))
             runs.append({
                 "kernel": kernel_times(model, info, fit_batches, args.repeat),
+                "rows": kernel_rows_times(model, info, fit_rows_list, args.repeat),
+                "busy": busy_times(model, busy_counts, args.busy_batch, args.repeat),
                 "trips": {b: layer_time(model, info, [everything], None, b, args.repeat, log)
                           for b in fit_batches},
                 "echo": slot_round_trips(fit_batches, args.repeat),
@@ -307,16 +434,16 @@ def main() -> int:
                     model, info, placements[c], servers if layout == TP else None, batch,
                     args.repeat, log)
                 say(f"{layout} x{servers} copies {copies} batch {batch}: {got:.0f} us")
-    kernel, trips, echo, measured = ({k: statistics.median(r[part][k] for r in runs)
-                                      for k in runs[0][part]}
-                                     for part in ("kernel", "trips", "echo", "configs"))
+    kernel, by_rows, busy, trips, echo, measured = (
+        {k: statistics.median(r[part][k] for r in runs) for k in runs[0][part]}
+        for part in ("kernel", "rows", "busy", "trips", "echo", "configs"))
     fixed, link_bw = fit_link(echo)
     bandwidth, flops, kernel_err = fit_device(spec, kernel, "sum")
-    curve_x, curve_y, left_out = fit_curve(spec, kernel)
+    rows_x, rows_y, rows_err = fit_rows(spec, by_rows, kernel)
     call, per_entry = fit_call(spec, trips, kernel, fixed, link_bw)
-    cores = os.cpu_count() or 1
+    parallel = host_parallelism(busy)
     fitted = _profile_dict(base, bandwidth, flops, fixed, link_bw, call, per_entry,
-                           cores=cores, curve=(curve_x, curve_y))
+                           cores=os.cpu_count() or 1, rows=(rows_x, rows_y))
     # the model without each part: the host's cores not shared; and the model before this
     # calibration (a GPU's roofline fitted to the kernel, no per-entry term, cores not shared)
     gpu_bw, gpu_flops, gpu_err = fit_device(spec, kernel, "max")
@@ -332,21 +459,33 @@ def main() -> int:
     report.add(
         f"Fitted from the microbenchmarks (bench checkpoint `{model.name}`, 1 thread per "
         f"server and client, shm; every point the median of {args.runs} runs of "
-        f"{args.repeat} calls): the kernel's `expert_curve` (seconds per byte of an expert at "
-        "each mean count of entries per expert; each inner point left out and interpolated "
-        "from the others is off by " + ", ".join(
-            f"{e:+.0%} at batch {b}" for b, e in left_out.items())
+        f"{args.repeat} calls): the kernel's `expert_rows` (seconds per byte of an expert "
+        "computing exactly k rows; on the random batches, the mean over a Poisson count of "
+        "rows is off by " + ", ".join(f"{e:+.0%} at batch {b}" for b, e in rows_err.items())
         + f"); for the rest of a step, memory bandwidth {bandwidth / 1e9:.2f} GB/s and "
         f"{flops / 1e9:.1f} GFLOP/s one after the other (`roofline: sum`; on the kernel its "
         f"mean error is {kernel_err:.1%}, {gpu_err:.1%} with a GPU's `max`); a message "
         f"{fixed * 1e6:.1f} us + bytes at {link_bw / 1e9:.2f} GB/s; the endpoints' own work "
         f"{call * 1e6:.1f} us per dispatch or combine plus {per_entry * 1e6:.2f} us per entry "
-        f"(without the per-entry term: {gpu_call * 1e6:.1f} us); the host's {cores} cores "
-        "shared by its servers (`host_cores`).\n\n"
+        f"(without the per-entry term: {gpu_call * 1e6:.1f} us); the host's "
+        f"{os.cpu_count()} cores shared by its servers (`host_cores`), each server's work run "
+        "to its end on one core, longest first (list scheduling: `cost.shared_cores`). Run "
+        f"1 to {len(parallel)} at a time, the kernel at batch {args.busy_batch} gets "
+        f"{', '.join(f'{c:.2f}' for c in parallel)} cores' worth: the host does not lose "
+        "throughput to more processes than cores; what it loses is that works shorter than "
+        "the operating system's slice are not shared finely (three on two cores take two "
+        "works' time).\n\n"
         "| batch | kernel us | shm echo 1x1 us | shm echo 1x2 us | 1-server EaasClient round "
         "trip us |\n|---:|---:|---:|---:|---:|\n"
         + "\n".join(f"| {b} | {kernel[b]:.1f} | {echo[1, b]:.1f} | {echo[2, b]:.1f} | "
-                     f"{trips[b]:.1f} |" for b in fit_batches))
+                     f"{trips[b]:.1f} |" for b in fit_batches)
+        + "\n\n| rows per expert | " + " | ".join(str(k) for k in rows_x) + " |\n|---|"
+        + "---:|" * len(rows_x) + "\n| kernel us, every expert | "
+        + " | ".join(f"{by_rows[k]:.0f}" for k in rows_x) + " |\n\n"
+        "| processes running the kernel at once | " + " | ".join(str(n) for n in busy)
+        + " |\n|---|" + "---:|" * len(busy) + "\n| us per call, each | "
+        + " | ".join(f"{busy[n]:.0f}" for n in busy) + " |\n| cores' worth | "
+        + " | ".join(f"{c:.2f}" for c in parallel) + " |")
     lines = ["| layout | servers | copies | batch | measured us [min-max] | predicted us | "
              "error | error, cores not shared | error, the model before |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -372,7 +511,7 @@ def main() -> int:
                   f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); see "
                   f"{PROFILES.name}/h100.yaml for the format.\n")
         fitted["device"]["source"] = ("fitted by scripts/bench_plan_calibrate.py (the "
-                                      "kernel: expert_curve and the roofline)")
+                                      "kernel: expert_rows and the roofline)")
         fitted["fabric"]["intra_node"]["source"] = ("fitted by scripts/bench_plan_calibrate.py "
                                                     "(shm slot echoes)")
         args.write_profile.write_text(header + yaml.safe_dump(plain(fitted), sort_keys=False))

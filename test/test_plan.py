@@ -170,17 +170,22 @@ def test_a_cpu_host_streams_then_multiplies_and_its_servers_share_its_cores(tmp_
         np.full(E, one))
     assert one > experts_s(n, experts=1)  # the GPU's roofline: the larger only
     # 3 servers on one node of 2 cores, with 1, 1 and 2 experts (a 4th on the next node)
-    assert shared_cores(np.array([1.0, 1.0, 2.0, 1.0]), np.array([0, 0, 0, 1]), 2) == \
-        pytest.approx([2.0, 2.0, 2.0, 1.0])
-    assert shared_cores(np.array([1.0, 3.0]), np.array([0, 0]), 2) == pytest.approx([2.0, 3.0])
-    assert shared_cores(np.array([1.0, 3.0]), np.array([0, 0]), None) == pytest.approx([1, 3])
+    two, own_cores = parse_profile(cpu), parse_profile({**cpu, "host_cores": None})
+    # list scheduling: node 0's works 2, 1, 1 on 2 cores: 2 on one, 1 then 1 on the other
+    assert shared_cores(np.array([1.0, 1.0, 2.0, 1.0]), np.array([0, 0, 0, 1]), two) == \
+        pytest.approx([1.0, 2.0, 2.0, 1.0])
+    assert shared_cores(np.array([1.0, 3.0]), np.array([0, 0]), two) == pytest.approx([1.0, 3.0])
+    assert shared_cores(np.array([1.0, 3.0]), np.array([0, 0]), own_cores) == \
+        pytest.approx([1, 3])
+    # three equal works on two cores take two works' time (processor sharing would say 1.5)
+    assert shared_cores(np.ones(3), np.zeros(3, dtype=int), two).max() == pytest.approx(2.0)
     # 4 servers of one expert each, on one node: 4 experts' work over 2 cores
     tier = Tier(Deployment(1, 4), model, parse_profile(cpu), (0,), uniform().shares)
     own = Tier(Deployment(1, 4), model, parse_profile({**cpu, "host_cores": None}), (0,),
                uniform().shares)
     assert list(tier.server_nodes()) == [0, 0, 0, 0]
     assert own.phase(0, E * n).times == pytest.approx(np.full(4, one))
-    assert tier.phase(0, E * n).times == pytest.approx(np.full(4, 4 * one / 2))
+    assert sorted(tier.phase(0, E * n).times) == pytest.approx([one, one, 2 * one, 2 * one])
     # the phase: one message to a server on another node, plus 0.25 s for each of 10 entries
     assert fabric_phase(np.array([10.0]), 1, np.array([0]), np.array([1]), 100.0,
                         parse_profile(cpu)) == pytest.approx(
@@ -193,21 +198,33 @@ def test_a_cpu_host_streams_then_multiplies_and_its_servers_share_its_cores(tmp_
     assert tp.phase(0, 10.0).routed == 10.0 and list(tp.phase(0, 10.0).entries) == [10, 10]
 
 
-def test_a_measured_expert_curve_is_interpolated_and_proportional_outside(tmp_path):
-    """A profile's ``expert_curve`` (seconds per byte of an expert at a mean of n entries)
-    replaces the roofline for experts: linear between its points, in proportion to n below
-    the first and above the last."""
+def test_a_measured_rows_curve_is_averaged_over_a_poisson_count_of_rows(tmp_path):
+    """A profile's ``expert_rows`` (seconds per byte of an expert computing exactly k rows)
+    replaces the roofline for experts, averaged over a Poisson count of mean n. Closed forms:
+    a cost in proportion to k averages to its rate times n; a cost of c for any k >= 1 to c
+    times the chance of at least one row, 1 - exp(-n); between the points it interpolates."""
     model = toy_model(tmp_path)
-    curve = {**_toy_dict(), "device": {**_toy_dict()["device"], "expert_curve": {
-        "entries": [0.5, 2.0], "seconds_per_byte": [1e-6, 4e-6]}}}
-    device = parse_profile(curve).device
     expert_bytes = 3 * H * I_ * 2
-    got = expert_costs(np.array([0.0, 0.25, 0.5, 1.0, 2.0, 4.0]), model, device, width=0.5)
-    per_byte = np.array([0.0, 0.5e-6, 1e-6, 2e-6, 4e-6, 8e-6])  # 1.0: a third of the way
-    assert got == pytest.approx(per_byte * expert_bytes * 0.5)
-    with pytest.raises(PlanInputError, match="expert_curve.entries must increase"):
-        parse_profile({**curve, "device": {**curve["device"], "expert_curve": {
-            "entries": [2.0, 0.5], "seconds_per_byte": [1e-6, 4e-6]}}})
+
+    def device(rows, per_byte):
+        return parse_profile({**_toy_dict(), "device": {**_toy_dict()["device"], "expert_rows": {
+            "rows": rows, "seconds_per_byte": per_byte}}}).device
+
+    n = np.array([0.0, 0.3, 1.0, 2.5, 12.0])
+    linear = device([1, 4], [1e-6, 4e-6])  # c(k) = k * 1e-6 per byte, past the last too
+    assert expert_costs(n, model, linear, width=0.5) == pytest.approx(
+        1e-6 * n * expert_bytes * 0.5, rel=1e-9)
+    flat = device([1, 2, 50], [3e-6, 3e-6, 3e-6])  # the same for 1 to 50 rows
+    assert expert_costs(n, model, flat) == pytest.approx(
+        3e-6 * (1 - np.exp(-n)) * expert_bytes, rel=1e-9)
+    step = device([1, 2, 3], [1e-6, 1e-6, 5e-6])  # 3 rows cost 5x: c(3) = 5e-6, c(4) = 20/3e-6
+    assert step.seconds_per_byte_at_rows(np.array([1, 2, 3, 4, 6])) == pytest.approx(
+        [1e-6, 1e-6, 5e-6, 20e-6 / 3, 10e-6])
+    with pytest.raises(PlanInputError, match="expert_rows.rows must be increasing positive "
+                       "integers"):
+        device([2, 1], [1e-6, 4e-6])
+    with pytest.raises(PlanInputError, match="expert_rows.rows must be increasing positive"):
+        device([0.5, 2], [1e-6, 4e-6])
 
 
 @pytest.mark.parametrize("field,value,says", [

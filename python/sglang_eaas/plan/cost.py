@@ -5,11 +5,11 @@
   n * flops / peak)``: its weights streamed once when it is active (``a(n) = 1 - exp(-n)``, the
   chance a Poisson count of mean ``n`` is not 0, as ``elastic/layout_cost.py`` takes it), its
   products at the peak (the sum of the two where the profile's ``roofline`` is ``sum``: a CPU
-  core streams and multiplies in turn; a profile's measured ``expert_curve`` instead where it
-  gives one); a server's time is the sum over what it holds, and the
-  busiest server gates the layer; where the profile gives ``host_cores``, the servers of a
-  node share that many cores: none finishes before the node's work over its cores
-  (``shared_cores``);
+  core streams and multiplies in turn; a profile's measured ``expert_rows`` instead where it
+  gives one, averaged over a Poisson count of rows); a server's time is the sum over what it
+  holds, and the busiest server gates the layer; where the profile gives ``host_cores``, the
+  servers of a node share them, each server's work run to its end on one core, longest first
+  (``shared_cores``: list scheduling);
 * a message costs the link's fixed cost plus its bytes over the link's bandwidth; an endpoint's
   bytes go one after the other, and so do its fixed costs where the profile says
   ``serial_messages`` (a CPU thread posting each message) or else once (a GPU's messages all in
@@ -43,21 +43,34 @@ def expert_costs(n: np.ndarray, model: ModelSpec, device: Device, width: float =
     """Seconds each expert with ``n[e]`` entries costs the server computing it, rows ``width``
     of the expert wide (1 whole, 1/P a TP part)."""
     n = np.asarray(n, dtype=float)
-    if device.curve:  # measured on this device
+    if device.rows:  # measured on this device
         return device.expert_seconds_per_byte(n) * model.expert_bytes * width
     streamed = active(n) * model.expert_bytes * width / device.memory_bandwidth
     computed = n * model.expert_flops_per_entry * width / device.peak(model.info.dtype)
     return streamed + computed if device.serial else np.maximum(streamed, computed)
 
 
-def shared_cores(times: np.ndarray, nodes: np.ndarray, cores: int | None) -> np.ndarray:
-    """Each server's seconds where the servers of a node share ``cores`` cores (None: each
-    its own device): at least its node's total over the cores (processor sharing)."""
+def shared_cores(times: np.ndarray, nodes: np.ndarray, profile: HardwareProfile
+                 ) -> np.ndarray:
+    """Each server's seconds until its work is done where the servers of a node share the
+    profile's ``host_cores`` (None: each its own device): the node's works dealt to its cores
+    longest first, each to the core free soonest, run to the end there (list scheduling).
+    An operating system shares a core between processes in slices of a few milliseconds, and
+    a server's work for one layer call is about as long, so it runs to its end once started:
+    three equal works on two cores take two works' time, not one and a half (processor
+    sharing's), and nothing ends before the node's work over its cores."""
     times = np.asarray(times, dtype=float)
+    cores = profile.host_cores
     if cores is None or len(times) == 0:
         return times
-    per_node = np.bincount(nodes, weights=times)
-    return np.maximum(times, per_node[nodes] / cores)
+    done = times.copy()
+    for node in np.unique(nodes):
+        free = np.zeros(cores)
+        for i in sorted(np.flatnonzero(nodes == node), key=lambda i: (-times[i], i)):
+            core = int(np.argmin(free))
+            free[core] += times[i]
+            done[i] = free[core]
+    return done
 
 
 def fabric_phase(entries: np.ndarray, clients: int, client_nodes: np.ndarray,

@@ -11,9 +11,11 @@ Format (every number positive; ``source`` says where each block's numbers come f
       memory: 8.0e10                # bytes
       roofline: max                 # max: memory and compute overlap (a GPU); sum: one after
                                     #   the other (a CPU core); default max
-      expert_curve:                 # optional, measured: an expert's seconds per byte of its
-        entries: [0.125, 1, 8]      #   weights at a mean of n entries (interpolated; in
-        seconds_per_byte: [...]     #   proportion to n outside); replaces the roofline there
+      expert_rows:                  # optional, measured: an expert's seconds per byte of its
+        rows: [1, 2, 4, 8]          #   weights when it computes exactly k rows (interpolated;
+        seconds_per_byte: [...]     #   in proportion to k past the last); an expert with a
+                                    #   mean of n entries costs the mean over a Poisson count
+                                    #   of mean n; replaces the roofline there
       source: "..."
     fabric:
       intra_node: {bandwidth: 4.5e11, message_s: 2.0e-6, source: "..."}  # bytes/s, s/message
@@ -61,16 +63,30 @@ class Device:
     flops: Mapping[str, float]  # dtype -> dense FLOP/s
     memory: float  # bytes
     serial: bool = False  # memory and compute one after the other (``roofline: sum``)
-    curve: tuple[tuple[float, float], ...] = ()  # measured (entries per expert, s per byte)
+    rows: tuple[tuple[int, float], ...] = ()  # measured (rows of an expert, s per byte)
+
+    def seconds_per_byte_at_rows(self, k: np.ndarray) -> np.ndarray:
+        """The ``rows`` curve at exactly ``k`` rows (k >= 1): the cost of k rows, over the
+        expert's bytes, interpolated between its points, in proportion to k below the first
+        and past the last."""
+        xs, ys = (np.array(v, dtype=float) for v in zip(*self.rows))
+        k = np.asarray(k, dtype=float)
+        return np.where(k < xs[0], ys[0] * k / xs[0],
+                        np.where(k > xs[-1], ys[-1] * k / xs[-1], np.interp(k, xs, ys)))
 
     def expert_seconds_per_byte(self, n: np.ndarray) -> np.ndarray:
-        """The ``curve`` at mean entries ``n``: interpolated between its points, in
-        proportion to ``n`` below the first and above the last."""
-        xs, ys = (np.array(v) for v in zip(*self.curve))
+        """An expert's mean seconds per byte at a mean of ``n`` entries: the ``rows`` curve
+        averaged over a Poisson count of mean ``n`` (0 rows: nothing to do). The routing's
+        counts vary from step to step and a kernel's cost is not linear in them (a CPU kernel
+        changes its inner loop with the rows it multiplies together), so a mean count alone
+        does not give the mean cost."""
         n = np.asarray(n, dtype=float)
-        inside = np.interp(n, xs, ys)
-        return np.where(n < xs[0], ys[0] * n / xs[0],
-                        np.where(n > xs[-1], ys[-1] * n / xs[-1], inside))
+        top = float(n.max(initial=0.0))
+        k = np.arange(1, int(np.ceil(top + 10 * np.sqrt(top) + 10)) + 1, dtype=float)
+        log_factorial = np.cumsum(np.log(k))
+        safe = np.where(n > 0, n, 1.0)[..., None]
+        pmf = np.exp(k * np.log(safe) - safe - log_factorial)
+        return np.where(n > 0, (pmf * self.seconds_per_byte_at_rows(k)).sum(axis=-1), 0.0)
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s for ``dtype`` (float16 reads bfloat16's where only that is given)."""
@@ -134,7 +150,7 @@ def parse_profile(data: Any, where: str = "<profile>") -> HardwareProfile:
     made = Device(_positive(where, "device.memory_bandwidth", device.get("memory_bandwidth")),
                   {str(k): _positive(where, f"device.flops.{k}", v) for k, v in flops.items()},
                   _positive(where, "device.memory", device.get("memory")), roofline == "sum",
-                  _curve(where, device.get("expert_curve")))
+                  _rows(where, device.get("expert_rows")))
     fabric = _mapping(f"{where}: fabric", top.get("fabric"))
     links = {}
     for name in ("intra_node", "inter_node"):
@@ -161,20 +177,21 @@ def parse_profile(data: Any, where: str = "<profile>") -> HardwareProfile:
         cores)
 
 
-def _curve(where: str, value: Any) -> tuple[tuple[float, float], ...]:
+def _rows(where: str, value: Any) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
-    curve = _mapping(f"{where}: device.expert_curve", value)
-    xs, ys = curve.get("entries"), curve.get("seconds_per_byte")
+    curve = _mapping(f"{where}: device.expert_rows", value)
+    xs, ys = curve.get("rows"), curve.get("seconds_per_byte")
     if not isinstance(xs, list) or not isinstance(ys, list) or len(xs) != len(ys) \
             or len(xs) < 2:
-        raise PlanInputError(f"{where}: device.expert_curve needs lists entries and "
+        raise PlanInputError(f"{where}: device.expert_rows needs lists rows and "
                              "seconds_per_byte of the same length, at least 2")
-    xs = [_positive(where, "device.expert_curve.entries", x) for x in xs]
-    ys = [_positive(where, "device.expert_curve.seconds_per_byte", y) for y in ys]
-    if any(b <= a for a, b in zip(xs, xs[1:])):
-        raise PlanInputError(f"{where}: device.expert_curve.entries must increase")
+    if any(type(x) is not int or x < 1 for x in xs) or any(b <= a for a, b in zip(xs, xs[1:])):
+        raise PlanInputError(f"{where}: device.expert_rows.rows must be increasing positive "
+                             f"integers, got {xs!r}")
+    ys = [_positive(where, "device.expert_rows.seconds_per_byte", y) for y in ys]
     return tuple(zip(xs, ys))
+
 
 
 def _flag(where: str, field: str, value: Any) -> bool:

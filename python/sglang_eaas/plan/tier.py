@@ -166,7 +166,7 @@ class Tier:
             copies = held.sum(axis=0)
             share = np.where(copies > 0, counts / np.maximum(copies, 1), 0.0)
             times, got = held @ expert_costs(share, self.model, device), held @ share
-        return Phase(shared_cores(times, self.server_nodes(), self.profile.host_cores), got,
+        return Phase(shared_cores(times, self.server_nodes(), self.profile), got,
                      float(entries))
 
     def _held(self, row: int) -> np.ndarray:
