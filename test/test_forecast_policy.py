@@ -79,16 +79,24 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
     got, decode_steps = book.take_decoded()
     assert (got == decoded).all() and decode_steps == 2
     assert book.take_decoded()[0].sum() == 0  # reset
-    # the forecast of the next 6 steps: 6 steps of the 2 running requests (a, c), 6 * 2 * K
-    # entries per layer, spread as the requests that started (a, b and c; b has ended) spread
-    # their decode rows, each weighed by its decode rows over FULL_ROWS (a 2, b 2, c 1)
+    # the forecast of the next 6 steps, 6 * 2 * K entries per layer: the starters' spread S is
+    # how the requests that started (a, b and c; b has ended) spread their decode rows, each
+    # weighed by its decode rows over FULL_ROWS (a 2, b 2, c 1); a (8 tokens left) keeps 6 * K
+    # and c (5 left) 5 * K of them, spread as its own decode rows in proportion to its rows
+    # over FULL_ROWS and as S for the rest; the last K (a request to start) as S
     from sglang_eaas.balance.forecast import FULL_ROWS
 
     rows = {"a": 2, "b": 2, "c": 1}
-    share = sum(rows[key] / FULL_ROWS * own / own.sum(axis=1, keepdims=True)
-                for key in rows for own in [expected[key] - prompt[key]])
-    share /= sum(rows.values()) / FULL_ROWS
-    assert np.allclose(book.forecast(6), 6 * 2 * K * share)
+    own = {key: (expected[key] - prompt[key]) / (expected[key] - prompt[key]).sum(
+        axis=1, keepdims=True) for key in rows}
+    starters = sum(rows[key] / FULL_ROWS * own[key] for key in rows) / (
+        sum(rows.values()) / FULL_ROWS)
+
+    def kept(key):
+        w = rows[key] / FULL_ROWS
+        return w * own[key] + (1 - w) * starters
+
+    assert np.allclose(book.forecast(6), 6 * K * kept("a") + 5 * K * kept("c") + K * starters)
     assert book.unattributed == 0
 
 
@@ -193,6 +201,31 @@ def test_each_starter_counts_alike_once_it_decoded_full_rows():
     assert np.allclose(got[:, 1], total * on_1) and np.allclose(got[:, 0], total * (1 - on_1))
     pooled = ((RECENT_ARRIVALS - 1) * new + new) / ((RECENT_ARRIVALS - 1) * new + old + new)
     assert on_1 > pooled + 0.2  # rows pooled would keep the old mix's share
+
+
+def test_a_running_request_keeps_its_own_experts_for_the_tokens_it_has_left():
+    """Right after a shift: an old request with 3 tokens left decodes on expert 0, the newest
+    starters on expert 1. The next 10 steps of the one running request: its 3 on its own
+    expert, the 7 of the request that will replace it on the starters'."""
+    from sglang_eaas.balance.forecast import FULL_ROWS, RECENT_ARRIVALS
+
+    book = RoutingBook(LAYERS, E, K)
+    step = _one_entry_steps(book)
+    step([StepRequest("old", 3, False, 3 + FULL_ROWS)], 5)
+    for i in range(FULL_ROWS):
+        step([StepRequest("old", 1, True, 3 + FULL_ROWS - 1 - i)], 0)
+    for n in range(RECENT_ARRIVALS):  # the new mix's requests: prefill, decode, end
+        step([StepRequest(f"new{n}", 3, False, FULL_ROWS)], 5)
+        for i in range(FULL_ROWS):
+            step([StepRequest(f"new{n}", 1, True, FULL_ROWS - 1 - i, finished=i == FULL_ROWS - 1)],
+                 1)
+    got = book.forecast(RECENT_ARRIVALS * (FULL_ROWS + 1))  # the new ones only as starters
+    assert book.running == 1
+    want = np.zeros((len(LAYERS), E))
+    steps = RECENT_ARRIVALS * (FULL_ROWS + 1)
+    want[:, 0] = 3 * K
+    want[:, 1] = (steps - 3) * K
+    assert np.allclose(got, want)
 
 
 def test_rows_that_do_not_tile_the_step_are_left_out_and_counted():

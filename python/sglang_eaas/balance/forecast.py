@@ -223,14 +223,17 @@ class RoutingBook:
             return None if slot is None else self._counts[slot].astype(np.int64)
 
     def forecast(self, steps: int) -> np.ndarray:
-        """``[L, E]`` float64: the decode entries of the next ``steps`` steps: ``steps *
+        """``[L, E]`` float64: the decode entries of the next ``steps`` steps, ``steps *
         running * top_k`` per layer (the tier keeps about as many requests running, the ones
-        that end replaced), spread as the decode entries of the requests that started over the
-        last ``steps`` steps (at least the latest ``RECENT_ARRIVALS``; running or ended) spread
-        theirs, each alike from ``FULL_ROWS`` decode rows: a mix's decode is told best by that
-        mix's decode (``bench_forecast_bound``: better than its prompts), and the newest
-        starters are the mix now arriving, a window ahead of the servers' counters of the last
-        window.
+        that end replaced): each running request's ``min(steps, remaining) * top_k`` spread as
+        its own decode rows spread theirs (a request keeps its experts; in proportion to its
+        rows up to ``FULL_ROWS``, the rest of its share as the starters'), and the rest, the
+        requests that will start, spread as the decode entries of the requests that started
+        over the last ``steps`` steps (at least the latest ``RECENT_ARRIVALS``; running or
+        ended) spread theirs, each alike from ``FULL_ROWS`` decode rows: a mix's decode is
+        told best by that mix's decode (``bench_forecast_bound``: better than its prompts),
+        and the newest starters are the mix now arriving. Right after a shift of the mix, the
+        window is still partly the old mix's requests finishing, and the forecast says so.
 
         Before any of them decoded an entry, the older forecast: each running request's
         ``min(steps, remaining) * top_k`` spread as its own entries, the rest spread as the
@@ -239,14 +242,14 @@ class RoutingBook:
         with self._lock:
             live = np.fromiter(self._slot.values(), dtype=np.int64)
             decode = self._recent_decode(steps, live)
+            remaining = self._remaining[live]
             if decode is None:  # the fallback's inputs
                 counts = self._counts[live].astype(np.float64)  # a copy: the step goes on
-                remaining = self._remaining[live]
                 arrivals = self._recent_arrivals(steps)
+            else:
+                own = [self._decode_of(slot) if self._started[slot] else None for slot in live]
         if decode is not None:
-            profiles, rows = zip(*decode)
-            weights = np.minimum(1.0, np.array(rows, dtype=np.float64) / FULL_ROWS)
-            out = steps * len(live) * self.top_k * _spread(list(profiles), weights)
+            out = self._mixture(steps, decode, own, remaining)
             self.cost += time.perf_counter() - began
             return out
         total = counts.sum(axis=2, keepdims=True)
@@ -258,6 +261,27 @@ class RoutingBook:
             out += rest[:, None] * _spread(arrivals)
         self.cost += time.perf_counter() - began
         return out
+
+    def _mixture(self, steps: int, decode: list[tuple[np.ndarray, int]],
+                 own: list[tuple[np.ndarray, int] | None], remaining: np.ndarray
+                 ) -> np.ndarray:
+        """The forecast from the starters' decode (``decode``) and each running request's
+        own (``own``, None before its first decode step) with its ``remaining`` tokens."""
+        profiles, rows = zip(*decode)
+        weights = np.minimum(1.0, np.array(rows, dtype=np.float64) / FULL_ROWS)
+        starters = _spread(list(profiles), weights)
+        out = np.zeros_like(starters)
+        kept = 0.0
+        for mine, left in zip(own, remaining):
+            entries = float(min(steps, left)) * self.top_k
+            kept += entries
+            if mine is None or not mine[0].any():
+                out += entries * starters
+                continue
+            weight = min(1.0, mine[1] / FULL_ROWS)
+            out += entries * (weight * _spread([mine[0]]) + (1.0 - weight) * starters)
+        rest = max(0.0, steps * len(own) * self.top_k - kept)
+        return out + rest * starters
 
     def _recent_decode(self, steps: int, live: np.ndarray
                        ) -> list[tuple[np.ndarray, int]] | None:
