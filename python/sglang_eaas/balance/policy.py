@@ -11,8 +11,10 @@ estimate alone:
   estimate's overlap with the load that re-placement planned on (``load_overlap``, the mean
   over MoE layers) is below ``shift``. The cooldown keeps one mix's noise from being chased;
   a new mix is what a re-placement is for, and one that waits out the cooldown serves the
-  new mix on the old mix's placement meanwhile (an estimate of the same mix overlaps the last
-  one by about 0.85-0.93, one of another mix by 0.45-0.75: ``scripts/bench_forecast_bound``);
+  new mix on the old mix's placement meanwhile. Offline, one mix's requests overlap others of
+  the same mix by 0.88-0.94 and of another mix by 0.45-0.75 (``scripts/bench_forecast_bound``);
+  live, a forecast of a few running requests drifts to 0.71-0.77 within one mix as they turn
+  over, so the threshold also ends some cooldowns on noise (docs/balancing.md);
 - the estimate's busiest server over the mean (``balance/live.layer_ratios``) on the current
   placement is at most ``trigger`` in every layer: nothing, and the streak ends;
 - above it: a plan (``balance/live.plan``, the scaler and placer warm from the current
