@@ -320,6 +320,13 @@ def report(out: Report, args, info, experts, slots, results: list[Result]) -> Re
     """The results' sections added to ``out`` (made at the start: its header's load average
     and its run time are the whole run's)."""
     phases = ", ".join(f"`{m}` {s:g} s" for m, s in args.phases)
+    balancer = f"`--eaas-balance MODE` {args.balance_args or '(defaults)'}"
+    described = {
+        "off": "`off`",
+        "eplb": f"`eplb`, `tools.rebalance --policy eplb --interval {args.eplb_interval:g}` "
+                "beside the server (a fixed cadence on the servers' counters since the last "
+                "pass, SGLang's EPLB placement)",
+        "reactive": f"`reactive`, {balancer}", "predictive": f"`predictive`, {balancer}"}
     out.add(
         f"Checkpoint `{args.model.name}` ({len(info.moe_layers)} MoE layers x "
         f"{info.num_experts} experts, top-{info.top_k}), per policy and run a fresh tier: a "
@@ -328,11 +335,9 @@ def report(out: Report, args, info, experts, slots, results: list[Result]) -> Re
         f"`--eaas --dtype float32 --enable-metrics`. Traffic: {args.concurrency} closed-loop "
         f"streams of greedy requests ({args.output_len} tokens, `ignore_eos`) whose prompts "
         f"come from the phase's mix: {phases} (the checkpoint saw only the stdlib; "
-        "`other-code` and `prose` are mixes nothing here was fitted on). Policies: `off`; "
-        f"`eplb`, `tools.rebalance --policy eplb --interval {args.eplb_interval:g}` beside the "
-        "server (a fixed cadence on the servers' counters since the last pass, SGLang's EPLB "
-        "placement); `reactive` and `predictive`, `--eaas-balance MODE` "
-        f"{args.balance_args or '(defaults)'}. Busiest/mean: per {args.poll:g} s interval of the "
+        "`other-code` and `prose` are mixes nothing here was fitted on). Policies: "
+        + "; ".join(described[p] for p in POLICIES if p in args.policies)
+        + f". Busiest/mean: per {args.poll:g} s interval of the "
         "servers' counters, the busiest server's entries over the mean per MoE layer, the mean "
         f"over layers; **time-averaged** over the run, **after a shift** over the intervals "
         f"starting within {args.after_shift:g} s of one. Overlaps and the forecast's cost: "
