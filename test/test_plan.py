@@ -214,6 +214,8 @@ def test_a_measured_rows_curve_is_averaged_over_a_poisson_count_of_rows(tmp_path
     linear = device([1, 4], [1e-6, 4e-6])  # c(k) = k * 1e-6 per byte, past the last too
     assert expert_costs(n, model, linear, width=0.5) == pytest.approx(
         1e-6 * n * expert_bytes * 0.5, rel=1e-9)
+    many = np.array([100.0, 5000.0])  # past POISSON_UP_TO: the curve at the mean itself
+    assert expert_costs(many, model, linear) == pytest.approx(1e-6 * many * expert_bytes)
     flat = device([1, 2, 50], [3e-6, 3e-6, 3e-6])  # the same for 1 to 50 rows
     assert expert_costs(n, model, flat) == pytest.approx(
         3e-6 * (1 - np.exp(-n)) * expert_bytes, rel=1e-9)

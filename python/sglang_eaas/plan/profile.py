@@ -45,6 +45,7 @@ import numpy as np
 from sglang_eaas.plan.errors import PlanInputError
 
 PROFILES = Path(__file__).with_name("profiles")
+POISSON_UP_TO = 64.0  # mean rows per expert up to which a measured curve is Poisson-averaged
 
 
 @dataclass(frozen=True)
@@ -81,12 +82,15 @@ class Device:
         changes its inner loop with the rows it multiplies together), so a mean count alone
         does not give the mean cost."""
         n = np.asarray(n, dtype=float)
-        top = float(n.max(initial=0.0))
+        small = np.where(n < POISSON_UP_TO, n, 0.0)  # past it the count is about its mean
+        top = float(small.max(initial=0.0))
         k = np.arange(1, int(np.ceil(top + 10 * np.sqrt(top) + 10)) + 1, dtype=float)
         log_factorial = np.cumsum(np.log(k))
-        safe = np.where(n > 0, n, 1.0)[..., None]
+        safe = np.where(small > 0, small, 1.0)[..., None]
         pmf = np.exp(k * np.log(safe) - safe - log_factorial)
-        return np.where(n > 0, (pmf * self.seconds_per_byte_at_rows(k)).sum(axis=-1), 0.0)
+        averaged = (pmf * self.seconds_per_byte_at_rows(k)).sum(axis=-1)
+        return np.where(n >= POISSON_UP_TO, self.seconds_per_byte_at_rows(np.maximum(n, 1.0)),
+                        np.where(n > 0, averaged, 0.0))
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s for ``dtype`` (float16 reads bfloat16's where only that is given)."""
