@@ -1,18 +1,20 @@
 """The next window's decode load, forecast from the routing of the requests now running.
 
-Each running request gets a *profile*: the entries its own rows made per (MoE layer, expert)
-so far, its prefill's (its prompt) and then its decode's (``RoutingBook``, fed by the client
-with each step's rows and which request owns them). The forecast of the next ``steps`` decode
-steps is ``steps * running * top_k`` entries per layer spread as the decode rows of the
-requests that started over the last ``steps`` steps spread theirs, each request counted alike
-once it decoded ``FULL_ROWS`` rows (in proportion to its rows before): the newest starters are
-the mix now arriving, and a mix's decode tells its decode better than its prompts do
-(``scripts/bench_forecast_bound.py``). Pooling their rows instead would weigh the starters by
-the rows they decoded so far, so after a shift of the mix the old mix's longer-running
-starters would outweigh the new ones for most of a window. Before any of them has decoded,
-it falls back to the prompts: each running request's ``min(steps, remaining) * top_k``
-spread as its own profile, the rest as the newest prompts. Requests still in SGLang's queue
-have no routing yet and are not in it; they show up at their prefill, a step after admission.
+Each running request gets a *profile*: the entries its own rows made per (MoE layer, expert) so
+far, its prefill's (its prompt) and then its decode's (``RoutingBook``, fed by the client with
+each step's rows and which request owns them). The forecast of the next ``steps`` decode steps
+is ``steps * running * top_k`` entries per layer: each running request's tokens left in the
+window spread as its own decode rows (a request keeps its experts), the rest (the requests
+still to start) as the decode rows of the requests that started over the last ``steps`` steps
+spread theirs, each counted alike once it decoded ``FULL_ROWS`` rows (in proportion to its rows
+before): the newest starters are the mix now arriving, and a mix's decode tells its decode
+better than its prompts do (``scripts/bench_forecast_bound.py``). Pooling their rows instead
+would weigh the starters by the rows they decoded so far, so after a shift of the mix the old
+mix's longer-running starters would outweigh the new ones for most of a window. Before any of
+them has decoded, it falls back to the prompts: each running request's ``min(steps, remaining)
+* top_k`` spread as its own profile, the rest as the newest prompts. Requests still in SGLang's
+queue have no routing yet and are not in it; they show up at their prefill, a step after
+admission.
 
 The servers count prefill entries too, and a prompt routes all its tokens at once: the entries
 of the prompts to come (``coming_prefill``) are those of the prompts that started over the last
@@ -249,39 +251,32 @@ class RoutingBook:
             else:
                 own = [self._decode_of(slot) if self._started[slot] else None for slot in live]
         if decode is not None:
-            out = self._mixture(steps, decode, own, remaining)
-            self.cost += time.perf_counter() - began
-            return out
-        total = counts.sum(axis=2, keepdims=True)
-        share = np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
-        weight = np.minimum(steps, remaining).astype(np.float64) * self.top_k
-        out = np.einsum("r,rle->le", weight, share)
-        if arrivals:
-            rest = np.maximum(0.0, steps * len(live) * self.top_k - out.sum(axis=1))
-            out += rest[:, None] * _spread(arrivals)
+            profiles, rows = zip(*decode)
+            starters = _spread(list(profiles), np.minimum(1.0, np.array(rows) / FULL_ROWS))
+            mine = np.zeros((len(own), len(self.layers), self.num_experts))
+            held = np.zeros(len(own))
+            for i, got in enumerate(own):
+                if got is not None and got[0].any():
+                    mine[i], held[i] = got[0], min(1.0, got[1] / FULL_ROWS)
+            out = self._window(steps, _normalised(mine), held, remaining, starters)
+        else:
+            out = self._window(steps, _normalised(counts), np.ones(len(counts)), remaining,
+                               _spread(arrivals) if arrivals else None)
         self.cost += time.perf_counter() - began
         return out
 
-    def _mixture(self, steps: int, decode: list[tuple[np.ndarray, int]],
-                 own: list[tuple[np.ndarray, int] | None], remaining: np.ndarray
-                 ) -> np.ndarray:
-        """The forecast from the starters' decode (``decode``) and each running request's
-        own (``own``, None before its first decode step) with its ``remaining`` tokens."""
-        profiles, rows = zip(*decode)
-        weights = np.minimum(1.0, np.array(rows, dtype=np.float64) / FULL_ROWS)
-        starters = _spread(list(profiles), weights)
-        out = np.zeros_like(starters)
-        kept = 0.0
-        for mine, left in zip(own, remaining):
-            entries = float(min(steps, left)) * self.top_k
-            kept += entries
-            if mine is None or not mine[0].any():
-                out += entries * starters
-                continue
-            weight = min(1.0, mine[1] / FULL_ROWS)
-            out += entries * (weight * _spread([mine[0]]) + (1.0 - weight) * starters)
-        rest = max(0.0, steps * len(own) * self.top_k - kept)
-        return out + rest * starters
+    def _window(self, steps: int, shares: np.ndarray, held: np.ndarray,
+                remaining: np.ndarray, rest: np.ndarray | None) -> np.ndarray:
+        """The window's ``steps * running * top_k`` entries per layer: the share ``held`` of
+        each running request's ``min(steps, remaining) * top_k`` spread as its own ``shares``
+        (``[R, L, E]``, each layer summing to 1 or 0), the rest of the window as ``rest``
+        (None: left out)."""
+        kept = np.minimum(steps, remaining).astype(np.float64) * self.top_k * held
+        out = np.einsum("r,rle->le", kept, shares)
+        if rest is not None:
+            out += np.maximum(0.0, steps * len(held) * self.top_k - out.sum(axis=1))[:, None] \
+                * rest
+        return out
 
     def _recent_decode(self, steps: int, live: np.ndarray
                        ) -> list[tuple[np.ndarray, int]] | None:
@@ -339,13 +334,16 @@ class RoutingBook:
         return decoded, steps
 
 
+def _normalised(stacked: np.ndarray) -> np.ndarray:
+    """``[R, L, E]`` entries, each request's layer normalised to sum 1 (0 where it has none)."""
+    total = stacked.sum(axis=2, keepdims=True)
+    return np.divide(stacked, total, out=np.zeros_like(stacked), where=total > 0)
+
+
 def _spread(profiles: list[np.ndarray], weights: np.ndarray | None = None) -> np.ndarray:
     """``[L, E]``: the (``weights``-weighted) mean of the requests' entries, each normalised
     to sum 1 per layer (a request with none in a layer adds nothing there)."""
-    stacked = np.stack(profiles)
-    total = stacked.sum(axis=2, keepdims=True)
-    shares = np.divide(stacked, total, out=np.zeros_like(stacked), where=total > 0)
-    return np.average(shares, axis=0, weights=weights)
+    return np.average(_normalised(np.stack(profiles)), axis=0, weights=weights)
 
 
 def _host(ids) -> np.ndarray:
