@@ -25,6 +25,14 @@ CPU_RUNTIME = EnvVar(
     "and no real sgl_kernel is installed; 'on'/'off' force it.",
 )
 
+FORKSERVER = EnvVar(
+    "SGLANG_EAAS_FORKSERVER",
+    "on",
+    "On the CPU runtime, SGLang's ranks and detokenizer are forked from a process that imported "
+    "SGLang once, sharing its memory (docs/cpu-runtime.md, 'Memory of a server'); 'off' keeps "
+    "SGLang's spawn.",
+)
+
 TOKEN = EnvVar(
     "SGLANG_EAAS_TOKEN",
     "",
@@ -63,5 +71,5 @@ ETCD_LOSS_TIMEOUT = EnvVar(
     "before it is lost (default 10; whole seconds, at least four heartbeat periods).",
 )
 
-ALL = (CPU_RUNTIME, TOKEN, KERNEL_CACHE, OPERATION_LEASE, ETCD_SUSPECT_TIMEOUT,
+ALL = (CPU_RUNTIME, FORKSERVER, TOKEN, KERNEL_CACHE, OPERATION_LEASE, ETCD_SUSPECT_TIMEOUT,
        ETCD_LOSS_TIMEOUT)

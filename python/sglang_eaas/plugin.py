@@ -20,7 +20,7 @@ from sglang_eaas import config, request_checks
 from sglang_eaas.client import (
     autoscale_hooks, esft_hooks, graph_check, overlap, sglang_moe, steps,
 )
-from sglang_eaas.cpu_runtime import attention, moe_native_ep, pd, server_defaults
+from sglang_eaas.cpu_runtime import attention, forkserver, moe_native_ep, pd, server_defaults
 from sglang_eaas.launcher import admin, prepare
 from sglang_eaas.refusal import Refusal
 
@@ -204,6 +204,13 @@ HOOKS: tuple[Hook, ...] = (
         pd.no_early_prefix_send,
         "CPU runtime, PD prefill under overlap scheduling: a cached prefix goes with the "
         "request's regular KV send (its early send records a CUDA event)",
+    ),
+    Hook(
+        "sglang.srt.entrypoints.engine._set_envs_and_config",
+        "AROUND",
+        forkserver.set_start_method,
+        "CPU runtime: SGLang's ranks and detokenizer forked from a forkserver that imported "
+        "SGLang once (they share those pages), not each spawned to import it anew",
     ),
     Hook(
         "sglang.srt.arg_groups.memory_hook.handle_gpu_memory_settings",

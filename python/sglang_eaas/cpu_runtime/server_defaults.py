@@ -92,9 +92,10 @@ def rank_mem_fraction(sglang_fraction: float, ranks_on_host: int, numa_nodes: in
     Here each rank gets ``min(f, HOST_STATIC_SHARE) / k``, ``k = ceil(ranks_on_host /
     numa_nodes)`` the ranks sharing a node: the weights and KV pools of all ranks together take
     at most half the memory available at start, and never more than SGLang's own ``f`` for one
-    rank. The other half stays for the server's processes (launcher and detokenizer about 0.7 GiB
-    each, a rank 0.8 GiB and some 57 bytes a KV token of bookkeeping SGLang does not count: next
-    to a real model's tens of KB a token, nothing), activations and the rest of the host. E.g.
+    rank. The other half stays for the server's processes (launcher about 0.6 GiB resident, a
+    detokenizer and a rank 0.5-0.7 GiB each, much of it shared through ``forkserver``; and some
+    57 bytes a KV token of bookkeeping SGLang does not count: next to a real model's tens of KB a
+    token, nothing), activations and the rest of the host. E.g.
     about 19.5 GiB available: ``--tp 1`` 0.5 (9.9 GiB of KV, was 0.716: 14.2 GiB), ``--tp 2`` 0.25 a
     rank (4.8 GiB each, was 0.95 each: killed).
 
