@@ -15,10 +15,11 @@ setup(
                            extra_compile_args=["-std=c11", "-O2"])],
     # The CPU runtime's stand-in packages are plain folders put on sys.path, not subpackages.
     # layout_cost.json: the EP/TP cost model fitted by scripts/bench_switch.py (--eaas-layout auto)
-    # plan/profiles: the capacity planner's hardware profiles (python -m sglang_eaas.plan)
+    # plan/profiles: the capacity planner's hardware profiles (python -m sglang_eaas.plan);
+    # plan/models: published model configs (shapes only) for its projections and anchors
     package_data={"sglang_eaas.cpu_runtime": ["shims/*/*.py"], "ibgda": ["csrc/device/*"],
                   "sglang_eaas.elastic": ["layout_cost.json"],
-                  "sglang_eaas.plan": ["profiles/*.yaml"]},
+                  "sglang_eaas.plan": ["profiles/*.yaml", "models/*/config.json"]},
     python_requires=">=3.10",
     # etcd3gw: the monitor's etcd backend (etcd's v3 HTTP gateway), imported only for etcd://.
     # ninja: torch's extension tooling builds the expert server's CPU kernel with it.

@@ -30,7 +30,8 @@ Per run: SLO attainment (requests within both targets over all requests; failed 
 missed), device-hours over the day (every device paid: attention, active, standby and joining
 servers; the same window for every mode; when the last request was done is given too),
 failed requests (those waiting 60 s for an expert without a holder), the decisions taken.
-The published anchors (DeepEP's low-latency dispatch and combine times) are printed after.
+The published anchors (DeepEP's low-latency dispatch and combine times; DeepSeek-V3's wide-EP
+decode on H800, as DeepSeek and RTP-LLM published it) are printed after.
 
     python scripts/bench_plan.py [--scales 64,128,256,512] [--day 600] [--jobs 2] [--quick]
 """
@@ -51,7 +52,8 @@ from bench_lib.report import ROOT, Report, default_out, say  # noqa: E402
 from sglang_eaas.balance.policy import BalanceSettings  # noqa: E402
 from sglang_eaas.elastic.autoscaler import AutoscalePolicy  # noqa: E402
 from sglang_eaas.elastic.layout_policy import LayoutPolicy  # noqa: E402
-from sglang_eaas.plan.anchors import DEEPEP_SOURCE, deepep_low_latency  # noqa: E402
+from sglang_eaas.plan.anchors import (DEEPEP_SOURCE, deepep_low_latency,  # noqa: E402
+                                      wide_ep_decode)
 from sglang_eaas.plan.deployment import Deployment  # noqa: E402
 from sglang_eaas.plan.load import zipf_load  # noqa: E402
 from sglang_eaas.plan.model import ModelSpec  # noqa: E402
@@ -173,7 +175,8 @@ def main() -> int:
                     f"{o.replacements} | "
                     f"{o.switches} |")
     report.add("\n".join(rows))
-    anchors = deepep_low_latency(load_profile("h100"))
+    h100 = load_profile("h100")
+    anchors = deepep_low_latency(h100)
     lines = ["| published anchor (not a measurement here) | published | predicted | error |",
              "|---|---:|---:|---:|"]
     lines += [f"| {a.name} | {a.published:g} {a.unit} | {a.predicted:.1f} {a.unit} | "
@@ -182,6 +185,15 @@ def main() -> int:
     report.add("\n".join(lines) + f"\n\nSource: {DEEPEP_SOURCE}. The fabric model on the H100 "
                f"profile's inter-node link (the same CX7 NIC); median absolute error "
                f"{median:.1%}, worst {max(abs(a.error) for a in anchors):.1%}.")
+    decode = wide_ep_decode(h100)
+    lines = ["| published anchor (not a measurement here) | published | predicted | error |",
+             "|---|---:|---:|---:|"]
+    lines += [f"| {a.name} | {a.published:g} {a.unit} | {a.predicted:.1f} {a.unit} | "
+              f"{a.error:+.1%} |" for a in decode]
+    report.add("\n".join(lines) + "\n\nSources: " + "; ".join(sorted({a.source for a in decode}))
+               + ". The whole step's cost model on the H100 profile (an H800 has its compute "
+               "and memory): the model has no MTP, no time between steps and no imbalance, and "
+               "takes every kernel at its roofline.")
     report.save()
     return 0
 

@@ -499,6 +499,57 @@ def test_published_anchor_deepep_low_latency_times_within_20_percent():
         assert abs(a.predicted - us) / us <= 0.20, (kind, ep, a.predicted, us)
 
 
+def test_a_deepseek_v3_config_is_read_with_mla_and_shared_experts():
+    """The planner's DeepSeek reader on the bundled published config: MLA's projections and
+    latent KV, the shared expert, 58 MoE layers after 3 dense ones, FP8 weights with a BF16 KV
+    cache; each number computed here from the config's fields by hand."""
+    from sglang_eaas.plan.anchors import DEEPSEEK_MODEL
+    from sglang_eaas.plan.model import ModelSpec
+
+    m = ModelSpec.from_config(DEEPSEEK_MODEL)
+    assert (m.moe_layers, m.info.moe_layers[0], m.info.num_experts, m.info.top_k) == (58, 3,
+                                                                                      256, 8)
+    assert m.attention_params == (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576
+                                  + 512 * 128 * 256 + 128 * 128 * 7168)  # 187,105,280
+    assert m.kv_bytes_per_token_layer == (512 + 64) * 2
+    assert m.attention_flops_per_pair == 2 * 128 * (512 + 64 + 512)
+    assert m.shared_params == m.expert_bytes == 3 * 7168 * 2048  # one byte a weight: FP8
+    assert (m.info.dtype, m.kv_dtype, m.servable) == ("float8_e4m3fn", "bfloat16", False)
+
+
+def test_published_anchor_deepseek_wide_ep_decode_is_stated_with_its_error():
+    """Published anchors, not measurements: DeepSeek-V3's decode on 144 H800 in DeepSeek's
+    wide-EP layout (DeepSeek's day-6 overview; RTP-LLM's replay). One step at 92 sequences a
+    GPU against the roofline sum computed here by hand; the model, which has no MTP, no time
+    between steps and no imbalance, is 2-3x faster than published (docs/planning.md says so)."""
+    from sglang_eaas.plan.anchors import DEEPSEEK_MODEL, WideEpDecode, wide_ep_decode
+    from sglang_eaas.plan.model import ModelSpec
+    from sglang_eaas.plan.profile import load_profile
+
+    h100, m = load_profile("h100"), ModelSpec.from_config(DEEPSEEK_MODEL)
+    bw, fp8, bf16 = 3.35e12, 1.979e15, 9.89e14
+    kv, b = 4989.0, 46  # a micro-batch: half of 92
+    weights = 187_105_280 + 7168 * 256 + 3 * 7168 * 2048  # attention, router, shared expert
+    attention = max((weights + b * kv * 1152) / bw,
+                    (2 * b * weights + 278_528 * b * kv * fp8 / bf16) / fp8)
+    expert = max((1 - np.exp(-b * 8 / 2)) * 3 * 7168 * 2048 / bw,
+                 b * 8 / 2 * 2 * 3 * 7168 * 2048 / fp8)
+    dispatch = 4e-6 + b * 8 * (7168 + 56 * 4) / 50e9
+    combine = 4e-6 + b * 8 * 7168 * 2 / 50e9
+    moe = max(2 * (attention + 2 * expert), 2 * (dispatch + combine))
+    mlp, head = 3 * 7168 * 18432, 129280 * 7168  # a dense layer's MLP; the LM head
+    dense_attention = max((187_105_280 + 92 * kv * 1152) / bw,
+                          (2 * 92 * 187_105_280 + 278_528 * 92 * kv * fp8 / bf16) / fp8)
+    outside = (3 * (dense_attention + max(mlp / bw, 2 * 92 * mlp / fp8))
+               + max(head / bw, 2 * 92 * head / fp8))
+    assert WideEpDecode().step_seconds(m, h100, 92) == pytest.approx(58 * moe + outside,
+                                                                      rel=1e-9)
+    anchors = wide_ep_decode(h100)
+    assert [a.published for a in anchors] == [20.0, 14800.0]
+    for a in anchors:
+        assert 1.0 < a.error < 2.0, (a.name, a.predicted, a.error)
+
+
 # -- load, traffic, search, the command ----------------------------------------------------------
 def test_a_zipf_fit_recovers_the_exponent_and_a_dump_is_read(tmp_path):
     from sglang_eaas.balance.load import LoadWindow, append_dump

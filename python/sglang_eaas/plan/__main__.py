@@ -87,7 +87,9 @@ def parser() -> argparse.ArgumentParser:
     need = p.add_argument_group("what to plan for")
     need.add_argument("--model", required=True, metavar="CONFIG.json",
                       help="the checkpoint's config.json (or its folder): layers, experts, "
-                      "top-k, sizes and dtype are read from it (examples/plan/ has some)")
+                      "top-k, sizes and dtype are read from it (examples/plan/ has some); "
+                      "a DeepSeek-V2/V3 config (MLA, shared experts) is a projection only, "
+                      "with no deploy config written")
     need.add_argument("--hardware", required=True, metavar="PROFILE.yaml",
                       help="a hardware profile, or a shipped one by name: h100, h200, "
                       "cpu-here (format: sglang_eaas/plan/profile.py)")
@@ -233,6 +235,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               f"{max(c.attainment for c in candidates):.1%} (widen --attention or "
               "--expert-servers)")
         return 1
+    if not model.servable:
+        print(f"\ncheapest meeting the SLO: {chosen.deployment.label()}: "
+              f"{chosen.deployment.gpus} devices, {chosen.cost_per_hour:.2f}/h, attainment "
+              f"{chosen.attainment:.1%}; no deploy config written: the expert servers do not "
+              f"serve {model.info.model_type} (MLA and shared experts), so this is a "
+              "projection only")
+        return 0
     header = f"# written by: {command}\n"
     written = write_outputs(args.out, chosen, model, load, header)
     try:

@@ -5,10 +5,13 @@ project; the error is the model's (predicted - published) / published."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from sglang_eaas.plan.cost import fabric_phase
+from sglang_eaas.plan.cost import (Work, attention_layer, expert_costs, fabric_phase,
+                                   outside_moe, overlapped_layer_time)
+from sglang_eaas.plan.model import ModelSpec
 from sglang_eaas.plan.profile import HardwareProfile
 
 DEEPEP_SOURCE = ("DeepEP V1 low-latency kernels, docs/legacy.md of github.com/deepseek-ai/DeepEP: "
@@ -49,4 +52,79 @@ def deepep_low_latency(profile: HardwareProfile) -> list[Anchor]:
             t = fabric_phase(entries, ep, senders, receivers, nbytes, profile)
             out.append(Anchor(f"DeepEP low-latency {name}, EP {ep}", published, t * 1e6, "us",
                               DEEPEP_SOURCE))
+    return out
+
+
+# DeepSeek-V3 decode on H800 with wide EP, as two sources published it. H800 SXM has the H100
+# SXM's compute and memory (its NVLink is narrower, which pure-RDMA decode does not use).
+DEEPSEEK_MODEL = Path(__file__).resolve().parent / "models" / "deepseek-v3"
+DEEPSEEK_SOURCE = ("DeepSeek-V3/R1 Inference System Overview (github.com/deepseek-ai/"
+                   "open-infra-index, 202502OpenSourceWeek, day 6): decode EP144 over 18 H800 "
+                   "nodes, 2 routed + 1 shared expert per GPU, MLA and shared experts DP144, two "
+                   "micro-batches; ~14.8k output tokens/s per H800 node on average over a day of "
+                   "production, 20-22 tokens/s per user, 4,989 KV tokens per output token")
+RTP_LLM_SOURCE = ("RTP-LLM DeepSeek replay report (github.com/alibaba/rtp-llm, docs/RTP-LLM-"
+                  "DeepSeek-Replay-Tech-Report.md): the same decode layout (144 GPUs, 128 + 16 "
+                  "redundant experts) on H800 over RoCE, 4K input / 2K output; 1850 output "
+                  "tokens/s per GPU at 13,200 concurrent requests and 20 tokens/s per user")
+
+
+@dataclass(frozen=True)
+class WideEpDecode:
+    """One decode step of DeepSeek's wide-EP layout on ``gpus`` devices: each device attends
+    its own ``batch`` sequences (DP attention, shared experts with it) and holds ``slots``
+    routed experts, the load dealt evenly (EPLB's aim); two micro-batches, each half the
+    sequences, one's dispatch and combine under the other's compute (``overlapped_layer_time``);
+    every message over the NIC (DeepEP's low-latency kernels), FP8 dispatch and BF16 combine."""
+
+    gpus: int = 144
+    slots: int = 2
+    kv_tokens: float = 4989.0
+
+    def step_seconds(self, model: ModelSpec, profile: HardwareProfile, batch: float) -> float:
+        device, info = profile.device, model.info
+        half = Work(batch / 2, batch / 2 * self.kv_tokens, batch / 2 * self.kv_tokens,
+                    batch / 2)
+        attention = attention_layer(half, model, device, 1)
+        entries = half.tokens * info.top_k / self.slots  # each routed expert's, evenly dealt
+        experts = float(expert_costs(np.full(self.slots, entries), model, device).sum())
+        received = np.full(self.gpus, half.tokens * info.top_k)
+        senders, receivers = np.arange(self.gpus), np.arange(self.gpus) + self.gpus
+        fp8 = info.hidden_size + info.hidden_size // 128 * 4  # values and 128-channel scales
+        dispatch = fabric_phase(received, self.gpus, senders, receivers, fp8, profile)
+        combine = fabric_phase(received, self.gpus, senders, receivers, info.hidden_size * 2,
+                               profile)
+        moe = overlapped_layer_time(attention, dispatch, experts, combine)
+        full = Work(batch, batch * self.kv_tokens, batch * self.kv_tokens, batch)
+        return model.moe_layers * moe + outside_moe(full, model, device, 1)
+
+    def max_batch(self, model: ModelSpec, profile: HardwareProfile) -> int:
+        """The most sequences a device's memory holds: its weights (attention side and its
+        routed experts) and each sequence's ``kv_tokens`` of KV cache."""
+        weights = model.attention_side_bytes + self.slots * model.moe_layers * model.expert_bytes
+        per_sequence = self.kv_tokens * model.kv_bytes_per_token_layer * model.info.num_layers
+        return int((profile.device.memory - weights) // per_sequence)
+
+
+def wide_ep_decode(profile: HardwareProfile) -> list[Anchor]:
+    """DeepSeek-V3's decode on 144 H800 in DeepSeek's layout, predicted by the cost model on
+    ``profile`` (H100's: the same compute and memory): per-user speed at the published
+    batch (RTP-LLM: 13,200 sequences over 144 GPUs) and output tokens/s per node at the largest
+    batch per GPU whose step is within the published per-user speed (DeepSeek: 21 tokens/s,
+    the middle of 20-22), the KV cache fitting. No MTP (speculative decoding), no time between
+    steps, no imbalance: what the model leaves out."""
+    model = ModelSpec.from_config(DEEPSEEK_MODEL)
+    out = []
+    rtp = WideEpDecode(kv_tokens=4096 + 2048 / 2)  # a 4K prompt's KV plus half its 2K output
+    batch = 13200 / 144
+    out.append(Anchor("DeepSeek-V3 decode, tokens/s per user at 13,200 sequences on 144 H800",
+                      20.0, 1.0 / rtp.step_seconds(model, profile, batch), "tokens/s",
+                      RTP_LLM_SOURCE))
+    ds = WideEpDecode(kv_tokens=4989.0)
+    tpot, fits = 1.0 / 21.0, ds.max_batch(model, profile)
+    best = max((b for b in range(2, fits + 1, 2) if ds.step_seconds(model, profile, b) <= tpot),
+               default=0)
+    per_node = profile.gpus_per_node * best / ds.step_seconds(model, profile, best) if best else 0
+    out.append(Anchor("DeepSeek-V3 decode, output tokens/s per H800 node at 21 tokens/s per "
+                      "user", 14800.0, per_node, "tokens/s", DEEPSEEK_SOURCE))
     return out

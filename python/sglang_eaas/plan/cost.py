@@ -113,13 +113,20 @@ class Work:
         return Work(self.tokens / 2, self.context / 2, self.pairs / 2, self.requests / 2)
 
 
-def attention_layer(work: Work, model: ModelSpec, device: Device, gpus: int) -> float:
-    """One layer's attention (with the MoE router) on an instance of ``gpus`` devices."""
-    params = model.attention_params + model.info.hidden_size * model.info.num_experts
+def attention_layer(work: Work, model: ModelSpec, device: Device, gpus: int,
+                    moe: bool = True) -> float:
+    """One layer's attention on an instance of ``gpus`` devices, in an MoE layer with the
+    router and the shared experts, if any (``moe``). The products with the weights run at the
+    weights' dtype's peak, the attention itself at the KV cache's (an FP8 checkpoint's MLA core
+    is BF16)."""
+    dtype = model.info.dtype
+    params = model.attention_params + (
+        model.info.hidden_size * model.info.num_experts + model.shared_params if moe else 0)
     nbytes = params * model.dtype_bytes + work.context * model.kv_bytes_per_token_layer
-    flops = (2 * work.tokens * params
-             + 4 * model.num_heads * model.head_dim * work.pairs)
-    return device.roofline(nbytes, flops, model.info.dtype) / gpus
+    core = model.attention_flops_per_pair * work.pairs
+    if model.kv_dtype:  # the core's FLOPs in the weights' dtype's time
+        core *= device.peak(dtype) / device.peak(model.kv_dtype)
+    return device.roofline(nbytes, 2 * work.tokens * params + core, dtype) / gpus
 
 
 def outside_moe(work: Work, model: ModelSpec, device: Device, gpus: int) -> float:
@@ -129,7 +136,7 @@ def outside_moe(work: Work, model: ModelSpec, device: Device, gpus: int) -> floa
     dense = info.num_layers - model.moe_layers
     mlp = 3 * info.hidden_size * model.dense_intermediate
     head = model.vocab_size * info.hidden_size
-    t = dense * (attention_layer(work, model, device, gpus)
+    t = dense * (attention_layer(work, model, device, gpus, moe=False)
                  + device.roofline(mlp * model.dtype_bytes, 2 * work.tokens * mlp, dtype) / gpus)
     return t + device.roofline(head * model.dtype_bytes, 2 * work.requests * head, dtype) / gpus
 
