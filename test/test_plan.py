@@ -499,7 +499,7 @@ def test_published_anchor_deepep_low_latency_times_within_20_percent():
         assert abs(a.predicted - us) / us <= 0.20, (kind, ep, a.predicted, us)
 
 
-def test_a_deepseek_v3_config_is_read_with_mla_and_shared_experts():
+def test_a_deepseek_v3_config_is_read_with_mla_and_shared_experts(tmp_path):
     """The planner's DeepSeek reader on the bundled published config: MLA's projections and
     latent KV, the shared expert, 58 MoE layers after 3 dense ones, FP8 weights with a BF16 KV
     cache; each number computed here from the config's fields by hand."""
@@ -515,6 +515,11 @@ def test_a_deepseek_v3_config_is_read_with_mla_and_shared_experts():
     assert m.attention_flops_per_pair == 2 * 128 * (512 + 64 + 512)
     assert m.shared_params == m.expert_bytes == 3 * 7168 * 2048  # one byte a weight: FP8
     assert (m.info.dtype, m.kv_dtype, m.servable) == ("float8_e4m3fn", "bfloat16", False)
+    config = json.loads((DEEPSEEK_MODEL / "config.json").read_text())
+    del config["kv_lora_rank"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PlanInputError, match="has no 'kv_lora_rank'"):
+        ModelSpec.from_config(tmp_path)
 
 
 def test_published_anchor_deepseek_wide_ep_decode_is_stated_with_its_error():

@@ -128,7 +128,12 @@ class ModelSpec:
             raise PlanInputError(f"--model: {path} must be a checkpoint's config.json (or its "
                                  "folder): the servers read a file of that name")
         try:
-            if json.loads(path.read_text()).get("model_type") in DEEPSEEK_TYPES:
+            model_type = json.loads(path.read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise PlanInputError(f"--model: cannot read {path} as a JSON object: {exc}"
+                                 ) from None
+        try:
+            if model_type in DEEPSEEK_TYPES:
                 return _deepseek(path, folder)
             info = MoeModelInfo.from_model_path(folder)
             config = json.loads(path.read_text())
@@ -137,7 +142,7 @@ class ModelSpec:
                        int(config.get("head_dim") or info.hidden_size // heads),
                        int(config["vocab_size"]), int(config.get("intermediate_size", 0)),
                        DTYPE_BYTES[info.dtype])
-        except (ModelError, OSError) as exc:
+        except ModelError as exc:
             raise PlanInputError(f"--model: {exc}") from None
         except KeyError as exc:
             raise PlanInputError(f"--model: {path} has no {exc.args[0]!r} (or a dtype the "
