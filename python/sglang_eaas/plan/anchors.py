@@ -42,17 +42,29 @@ def deepep_low_latency(profile: HardwareProfile) -> list[Anchor]:
     model on ``profile``'s inter-node link (every rank sending its 128 x 8 entries to every
     rank, each over the NIC): one rank's sends or receives, the busiest endpoint."""
     hidden, tokens, top_k = 7168, 128, 8
-    fp8 = hidden + hidden // 128 * 4  # FP8 values and one float32 scale per 128 channels
-    bf16 = hidden * 2
     out = []
     for ep, (dispatch, combine) in DEEPEP_LOW_LATENCY_US.items():
-        entries = np.full(ep, float(tokens * top_k))  # each rank receives as many as it sends
-        senders, receivers = np.arange(ep), np.arange(ep) + ep  # no two on one node
-        for name, nbytes, published in (("dispatch", fp8, dispatch), ("combine", bf16, combine)):
-            t = fabric_phase(entries, ep, senders, receivers, nbytes, profile)
+        for name, nbytes, published in (("dispatch", fp8_entry_bytes(hidden), dispatch),
+                                        ("combine", hidden * 2, combine)):
+            t = over_the_nic(tokens * top_k, ep, nbytes, profile)
             out.append(Anchor(f"DeepEP low-latency {name}, EP {ep}", published, t * 1e6, "us",
                               DEEPEP_SOURCE))
     return out
+
+
+def fp8_entry_bytes(hidden: int) -> int:
+    """One FP8 dispatch entry: the values and one float32 scale per 128 channels."""
+    return hidden + hidden // 128 * 4
+
+
+def over_the_nic(entries: float, ranks: int, entry_bytes: float,
+                 profile: HardwareProfile) -> float:
+    """One phase of DeepEP's low-latency kernels on ``ranks`` ranks, each sending and receiving
+    ``entries`` entries spread over all ranks, every message over the NIC (no two ranks on one
+    node): ``fabric_phase``'s busiest endpoint."""
+    received = np.full(ranks, float(entries))
+    senders, receivers = np.arange(ranks), np.arange(ranks) + ranks
+    return fabric_phase(received, ranks, senders, receivers, entry_bytes, profile)
 
 
 # DeepSeek-V3 decode on H800 with wide EP, as two sources published it. H800 SXM has the H100
@@ -88,12 +100,9 @@ class WideEpDecode:
         attention = attention_layer(half, model, device, 1)
         entries = half.tokens * info.top_k / self.slots  # each routed expert's, evenly dealt
         experts = float(expert_costs(np.full(self.slots, entries), model, device).sum())
-        received = np.full(self.gpus, half.tokens * info.top_k)
-        senders, receivers = np.arange(self.gpus), np.arange(self.gpus) + self.gpus
-        fp8 = info.hidden_size + info.hidden_size // 128 * 4  # values and 128-channel scales
-        dispatch = fabric_phase(received, self.gpus, senders, receivers, fp8, profile)
-        combine = fabric_phase(received, self.gpus, senders, receivers, info.hidden_size * 2,
-                               profile)
+        sent = half.tokens * info.top_k
+        dispatch = over_the_nic(sent, self.gpus, fp8_entry_bytes(info.hidden_size), profile)
+        combine = over_the_nic(sent, self.gpus, info.hidden_size * 2, profile)
         moe = overlapped_layer_time(attention, dispatch, experts, combine)
         full = Work(batch, batch * self.kv_tokens, batch * self.kv_tokens, batch)
         return model.moe_layers * moe + outside_moe(full, model, device, 1)

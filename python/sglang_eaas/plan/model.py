@@ -128,15 +128,15 @@ class ModelSpec:
             raise PlanInputError(f"--model: {path} must be a checkpoint's config.json (or its "
                                  "folder): the servers read a file of that name")
         try:
-            model_type = json.loads(path.read_text()).get("model_type")
+            config = json.loads(path.read_text())
+            model_type = config.get("model_type")
         except (OSError, ValueError, AttributeError) as exc:
             raise PlanInputError(f"--model: cannot read {path} as a JSON object: {exc}"
                                  ) from None
         try:
             if model_type in DEEPSEEK_TYPES:
-                return _deepseek(path, folder)
+                return _deepseek(config, folder)
             info = MoeModelInfo.from_model_path(folder)
-            config = json.loads(path.read_text())
             heads = int(config["num_attention_heads"])
             spec = cls(info, folder, heads, int(config.get("num_key_value_heads", heads)),
                        int(config.get("head_dim") or info.hidden_size // heads),
@@ -155,10 +155,9 @@ class ModelSpec:
         return spec
 
 
-def _deepseek(path: Path, folder: Path) -> ModelSpec:
-    """A DeepSeek-V2/V3 ``config.json`` (module docstring); KeyError, TypeError or ValueError
-    on a missing or malformed field, which ``from_config`` words."""
-    c = json.loads(path.read_text())
+def _deepseek(c: dict, folder: Path) -> ModelSpec:
+    """A DeepSeek-V2/V3 ``config.json``'s fields (module docstring); KeyError, TypeError or
+    ValueError on a missing or malformed field, which ``from_config`` words."""
     layers, dense = int(c["num_hidden_layers"]), int(c.get("first_k_dense_replace", 0))
     step = int(c.get("moe_layer_freq", 1))
     quant = (c.get("quantization_config") or {}).get("quant_method")
