@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lib.live_balance_prompts import MIXES, halves  # noqa: E402
 from bench_lib.report import ROOT, Report, default_out, say  # noqa: E402
+from bench_lib.request_routing import record  # noqa: E402
 from sglang_eaas.balance.forecast import load_overlap  # noqa: E402
 from sglang_eaas.balance.traces import load_model, moe_layers  # noqa: E402
 
@@ -64,32 +65,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def routing(model, tokenizer, text: str, output_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """``[L, E]`` entries of the prompt's tokens and of the generated ones."""
-    layers = moe_layers(model)
-    num_experts = model.model.layers[layers[0]].mlp.gate.weight.shape[0]
-    ids = tokenizer(text, return_tensors="pt").input_ids
-    with torch.no_grad():
-        full = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len,
-                              do_sample=False)
-    picks: list[torch.Tensor] = []
-    hooks = [model.model.layers[i].mlp.gate.register_forward_hook(
-        lambda module, args, output: picks.append(output[2].reshape(-1, output[2].shape[-1])))
-        for i in layers]
-    try:
-        with torch.no_grad():
-            model.model(input_ids=full, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    prompt_len = ids.shape[1]
-    out = np.zeros((2, len(layers), num_experts))
-    for row, chosen in enumerate(picks):
-        for part, rows in ((0, chosen[:prompt_len]), (1, chosen[prompt_len:])):
-            out[part, row] = np.bincount(rows.reshape(-1).numpy(), minlength=num_experts)
-    return out[0], out[1]
-
-
 def mean_overlap(predicted: np.ndarray, actual: np.ndarray) -> float:
     return float(np.nanmean(load_overlap(predicted, actual)))
 
@@ -102,13 +77,14 @@ def main() -> int:
     torch.manual_seed(0)
     model = load_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    num_experts = model.model.layers[moe_layers(model)[0]].mlp.gate.weight.shape[0]
     # per mix and half: a list of (prompt [L, E], decode [L, E]) per request
     recorded: dict[str, list[list[tuple[np.ndarray, np.ndarray]]]] = {}
     for mix in args.mixes:
         recorded[mix] = []
         for half in halves(mix, args.requests):
-            recorded[mix].append([routing(model, tokenizer, text, args.output_len)
-                                  for text in half])
+            recorded[mix].append([record(model, tokenizer, text, args.output_len)
+                                  .counts(num_experts) for text in half])
         say(f"{mix}: {2 * args.requests} requests recorded")
 
     def total(mix: str, half: int, part: int) -> np.ndarray:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sglang_eaas.balance.forecast import RoutingBook, StepRequest, load_overlap, requests_of_step
+from sglang_eaas.balance.forecast import (RECENT_DECAY, RoutingBook, StepRequest, load_overlap,
+                                          requests_of_step)
 from sglang_eaas.balance.placer import balance_model
 from sglang_eaas.balance.policy import BalancePolicy, BalanceSettings, within_budget
 from sglang_eaas.balance.live import plan
@@ -43,6 +44,7 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
     expected: dict[str, np.ndarray] = {}  # per request, [L, E] counted one entry at a time
     prompt: dict[str, np.ndarray] = {}  # the same, prefill rows only
     decoded = np.zeros((len(LAYERS), E), dtype=np.int64)
+    recent: dict[str, np.ndarray] = {}  # per request, its decode rows, older ones decayed
     steps = [
         # a prefill of a (5 rows) and b (3), in two micro-batches split mid-b
         [StepRequest("a", 5, False, 10), StepRequest("b", 3, False, 4)],
@@ -54,6 +56,7 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
     ]
     for requests in steps:
         rows = sum(r.rows for r in requests)
+        this_step = {r.key: np.zeros((len(LAYERS), E)) for r in requests}
         for i, layer in enumerate(LAYERS):
             ids = step_ids(rng, rows + 2)  # 2 padding rows past the requests'
             split = rows // 2 + 1
@@ -66,12 +69,16 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
                         if e >= 0:
                             expected.setdefault(r.key, np.zeros((len(LAYERS), E), np.int64))
                             expected[r.key][i, e] += 1
+                            this_step[r.key][i, e] += 1
                             if r.decode:
                                 decoded[i, e] += 1
                             else:
                                 prompt.setdefault(r.key, np.zeros((len(LAYERS), E), np.int64))
                                 prompt[r.key][i, e] += 1
                 row += r.rows
+        for r in requests:
+            if r.decode:
+                recent[r.key] = recent.get(r.key, 0.0) * RECENT_DECAY + this_step[r.key]
         book.end_step(requests)
     assert book.profile("b") is None  # finished
     for key in ("a", "c"):
@@ -82,8 +89,9 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
     # the forecast of the next 6 steps, 6 * 2 * K entries per layer: the starters' spread S is
     # how the requests that started (a, b and c; b has ended) spread their decode rows, each
     # weighed by its decode rows over FULL_ROWS (a 2, b 2, c 1); a (8 tokens left) keeps 6 * K
-    # and c (5 left) 5 * K of them, spread as its own decode rows in proportion to its rows
-    # over FULL_ROWS and as S for the rest; the last K (a request to start) as S
+    # and c (5 left) 5 * K of them, spread as its own decode rows (the older weighing
+    # RECENT_DECAY less) in proportion to its rows over FULL_ROWS and as S for the rest; the
+    # last K (a request to start) as S
     from sglang_eaas.balance.forecast import FULL_ROWS
 
     rows = {"a": 2, "b": 2, "c": 1}
@@ -94,7 +102,7 @@ def test_profiles_and_decode_entries_equal_a_count_row_by_row():
 
     def kept(key):
         w = rows[key] / FULL_ROWS
-        return w * own[key] + (1 - w) * starters
+        return w * recent[key] / recent[key].sum(axis=1, keepdims=True) + (1 - w) * starters
 
     assert np.allclose(book.forecast(6), 6 * K * kept("a") + 5 * K * kept("c") + K * starters)
     assert book.unattributed == 0
@@ -197,8 +205,14 @@ def test_each_starter_counts_alike_once_it_decoded_full_rows():
     on_1 = (weight_old * share_old_on_1 + (RECENT_ARRIVALS - 1) * weight_new) / (
         weight_old + (RECENT_ARRIVALS - 1) * weight_new)
     got = book.forecast(10)
+    # each running request keeps its 10 * K: the old one spread as its own rows, the newest
+    # two (on 1) weighing 1 and RECENT_DECAY, the older ones (on 0) RECENT_DECAY^2 and less;
+    # each new one weight_new of it on its own expert 1 and the rest as the starters' spread
+    old_on_1 = (1 + RECENT_DECAY) / sum(RECENT_DECAY ** j for j in range(old + new))
+    on_1_kept = 10 * K * (old_on_1 + (RECENT_ARRIVALS - 1) * (weight_new + (1 - weight_new)
+                                                               * on_1))
     total = 10 * RECENT_ARRIVALS * K
-    assert np.allclose(got[:, 1], total * on_1) and np.allclose(got[:, 0], total * (1 - on_1))
+    assert np.allclose(got[:, 1], on_1_kept) and np.allclose(got[:, 0], total - on_1_kept)
     pooled = ((RECENT_ARRIVALS - 1) * new + new) / ((RECENT_ARRIVALS - 1) * new + old + new)
     assert on_1 > pooled + 0.2  # rows pooled would keep the old mix's share
 

@@ -4,7 +4,8 @@ Each running request gets a *profile*: the entries its own rows made per (MoE la
 far, its prefill's (its prompt) and then its decode's (``RoutingBook``, fed by the client with
 each step's rows and which request owns them). The forecast of the next ``steps`` decode steps
 is ``steps * running * top_k`` entries per layer: each running request's tokens left in the
-window spread as its own decode rows (a request keeps its experts), the rest (the requests
+window spread as its own decode rows (a request keeps its experts; its recent rows weigh more,
+``RECENT_DECAY``: a generation drifts), the rest (the requests
 still to start) as the decode rows of the requests that started over the last ``steps`` steps
 spread theirs, each counted alike once it decoded ``FULL_ROWS`` rows (in proportion to its rows
 before): the newest starters are the mix now arriving, and a mix's decode tells its decode
@@ -41,6 +42,8 @@ MISSED = 2  # complete steps in a row a running request may be missing from befo
 ARRIVALS = 64  # requests whose prompt routing is kept to stand for the ones still to come
 RECENT_ARRIVALS = 4  # at least so many of the latest stand for them, however long ago
 FULL_ROWS = 8  # decode rows from which a starter's decode counts in full in the forecast
+RECENT_DECAY = 0.9  # a running request's own decode rows in the forecast: each older row
+# weighs this much less (about its last 10 rows: a generation drifts from the experts it began on)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class RoutingBook:
         self._started = np.zeros(0, dtype=bool)  # whether it decoded (its prompt is counted)
         self._start = np.zeros(0, dtype=np.int64)  # the step of its first decode
         self._decode_rows = np.zeros(0, dtype=np.int64)  # the decode rows it made so far
+        # its decode entries, each row weighing RECENT_DECAY^(rows made since)
+        self._recent = np.zeros((0, len(self.layers), num_experts), dtype=np.float32)
         self._prompt = np.zeros((0, len(self.layers), num_experts), dtype=np.float32)
         # the latest requests that ended: (their first decode, (decode entries [L, E], rows))
         self._ended: collections.deque[tuple[int, tuple[np.ndarray, int]]] = collections.deque(
@@ -152,6 +157,9 @@ class RoutingBook:
                 if prompt.any():
                     self._arrivals.append((self.steps, prompt))
             self._counts[slots] += counts.transpose(1, 0, 2)
+            decoding = slots[decode]
+            self._recent[decoding] = self._recent[decoding] * RECENT_DECAY \
+                + counts[:, decode].transpose(1, 0, 2)
             self._decode_rows[slots[decode]] += np.array(
                 [r.rows for r in requests if r.decode], dtype=np.int64)
             self._remaining[slots] = [r.remaining for r in requests]
@@ -190,6 +198,8 @@ class RoutingBook:
             self._started = np.concatenate([self._started, np.zeros(grow, bool)])
             self._start = np.concatenate([self._start, np.zeros(grow, np.int64)])
             self._decode_rows = np.concatenate([self._decode_rows, np.zeros(grow, np.int64)])
+            self._recent = np.concatenate([self._recent, np.zeros(
+                (grow, *self._recent.shape[1:]), dtype=self._recent.dtype)])
             self._prompt = np.concatenate([self._prompt, np.zeros(
                 (grow, *self._prompt.shape[1:]), dtype=self._prompt.dtype)])
             self._free = list(range(old + grow - 1, old - 1, -1))
@@ -198,6 +208,7 @@ class RoutingBook:
         self._missed[slot] = 0
         self._started[slot] = False
         self._decode_rows[slot] = 0
+        self._recent[slot] = 0
         return slot
 
     def _release(self, key: str) -> None:
@@ -228,8 +239,9 @@ class RoutingBook:
         """``[L, E]`` float64: the decode entries of the next ``steps`` steps, ``steps *
         running * top_k`` per layer (the tier keeps about as many requests running, the ones
         that end replaced): each running request's ``min(steps, remaining) * top_k`` spread as
-        its own decode rows spread theirs (a request keeps its experts; in proportion to its
-        rows up to ``FULL_ROWS``, the rest of its share as the starters'), and the rest, the
+        its own decode rows spread theirs (a request keeps its experts; each row weighing
+        ``RECENT_DECAY`` less than the next; in proportion to its rows up to ``FULL_ROWS``,
+        the rest of its share as the starters'), and the rest, the
         requests that will start, spread as the decode entries of the requests that started
         over the last ``steps`` steps (at least the latest ``RECENT_ARRIVALS``; running or
         ended) spread theirs, each alike from ``FULL_ROWS`` decode rows: a mix's decode is
@@ -249,10 +261,10 @@ class RoutingBook:
                 counts = self._counts[live].astype(np.float64)  # a copy: the step goes on
                 arrivals = self._recent_arrivals(steps)
             else:
-                own = [self._decode_of(slot) if self._started[slot] else None for slot in live]
+                own = [(self._recent[slot].astype(np.float64), int(self._decode_rows[slot]))
+                       if self._started[slot] else None for slot in live]
         if decode is not None:
-            profiles, rows = zip(*decode)
-            starters = _spread(list(profiles), np.minimum(1.0, np.array(rows) / FULL_ROWS))
+            starters = _starters_spread(decode)
             mine = np.zeros((len(own), len(self.layers), self.num_experts))
             held = np.zeros(len(own))
             for i, got in enumerate(own):
@@ -277,6 +289,14 @@ class RoutingBook:
             out += np.maximum(0.0, steps * len(held) * self.top_k - out.sum(axis=1))[:, None] \
                 * rest
         return out
+
+    def starters(self, steps: int) -> np.ndarray | None:
+        """``[L, E]``, each layer summing to 1: how ``forecast`` spreads the decode of the
+        requests to come (the decode of those that started over the last ``steps`` steps);
+        None before any of them decoded."""
+        with self._lock:
+            decode = self._recent_decode(steps, np.fromiter(self._slot.values(), dtype=np.int64))
+        return None if decode is None else _starters_spread(decode)
 
     def _recent_decode(self, steps: int, live: np.ndarray
                        ) -> list[tuple[np.ndarray, int]] | None:
@@ -346,6 +366,13 @@ def _spread(profiles: list[np.ndarray], weights: np.ndarray | None = None) -> np
     return np.average(_normalised(np.stack(profiles)), axis=0, weights=weights)
 
 
+def _starters_spread(decode: list[tuple[np.ndarray, int]]) -> np.ndarray:
+    """The starters' ``(decode entries [L, E], rows)`` spread alike, each in proportion to
+    its rows up to ``FULL_ROWS``."""
+    profiles, rows = zip(*decode)
+    return _spread(list(profiles), np.minimum(1.0, np.array(rows) / FULL_ROWS))
+
+
 def _host(ids) -> np.ndarray:
     """``ids`` as a host numpy array (the device path notes tensors: read once per step)."""
     return ids if isinstance(ids, np.ndarray) else ids.cpu().numpy()
@@ -361,6 +388,12 @@ def _assemble(parts: list[tuple[int, np.ndarray]]) -> np.ndarray | None:
             return None
         end += len(ids)
     return parts[0][1] if len(parts) == 1 else np.concatenate([ids for _, ids in parts])
+
+
+def horizon_steps(horizon: float, step_seconds: float | None) -> int:
+    """The steps in ``horizon`` seconds at ``step_seconds`` a step (1 before a step time is
+    known)."""
+    return max(1, round(horizon / step_seconds)) if step_seconds else 1
 
 
 def load_overlap(predicted: np.ndarray, actual: np.ndarray) -> np.ndarray:

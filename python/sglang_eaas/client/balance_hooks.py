@@ -32,7 +32,7 @@ import numpy as np
 
 from ibgda import TransportError
 from sglang_eaas import envs
-from sglang_eaas.balance.forecast import RoutingBook, load_overlap
+from sglang_eaas.balance.forecast import RoutingBook, horizon_steps, load_overlap
 from sglang_eaas.balance.live import fullest, plan, tier_holdings
 from sglang_eaas.controller.rebalance import rebalance
 from sglang_eaas.balance.policy import BalancePolicy, BalanceSettings
@@ -98,8 +98,7 @@ class TierBalancer:
         recent = self._since(self._reads[0][1], read, parts, num_experts)
         forecast, steps = None, 0
         if book is not None:
-            step = book.step_seconds()
-            steps = max(1, round(self.settings.horizon / step)) if step else 1
+            steps = horizon_steps(self.settings.horizon, book.step_seconds())
             forecast = book.forecast(steps)
             self._judge(book)
             self._guesses = {"predictive": forecast, "reactive": recent}
