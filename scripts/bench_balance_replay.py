@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lib.live_balance_prompts import MIXES, prompts as mix_prompts  # noqa: E402
 from bench_lib.report import ROOT, Report, default_out, say, spread  # noqa: E402
 from bench_lib.request_routing import RequestRouting, recorded  # noqa: E402
+from bench_balance_shift import traffic_flags  # noqa: E402
 from bench_live_balance import contiguous  # noqa: E402
 from sglang_eaas.balance.evaluate import layer_load  # noqa: E402
 from sglang_eaas.balance.forecast import RoutingBook, StepRequest, horizon_steps  # noqa: E402
@@ -62,12 +63,7 @@ def parse_args() -> argparse.Namespace:
                    "(as bench_balance_shift's default order); default 12 (11 shifts)")
     p.add_argument("--phase-seconds", type=float, default=30.0, help="default 30")
     p.add_argument("--seeds", type=int, default=5, help="replays per setting; default 5")
-    p.add_argument("--concurrency", type=int, default=8, help="default 8")
-    p.add_argument("--output-len", type=int, default=48, help="default 48")
-    p.add_argument("--servers", type=int, default=4, help="default 4")
-    p.add_argument("--extra-replicas", type=int, default=2,
-                   help="as bench_balance_shift's; default 2")
-    p.add_argument("--after-shift", type=float, default=10.0, help="default 10")
+    traffic_flags(p)
     p.add_argument("--decode-step", type=float, default=0.075,
                    help="seconds of a decode step of the streams; default 0.075 (about the "
                    "live benchmark's: 8 streams of 48 tokens make 2 requests a second)")

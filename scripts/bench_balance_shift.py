@@ -60,6 +60,19 @@ POLICIES = ("off", "eplb", "reactive", "predictive")
 GOAL_RATIO, GOAL_CUT = 1.15, 0.20  # time-averaged busiest/mean; less excess than reactive
 
 
+def traffic_flags(p: argparse.ArgumentParser) -> None:
+    """The traffic and tier flags ``bench_balance_replay`` shares."""
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight; default 8")
+    p.add_argument("--output-len", type=int, default=48,
+                   help="tokens per request (greedy, ignore_eos); default 48")
+    p.add_argument("--servers", type=int, default=4, help="expert servers; default 4")
+    p.add_argument("--extra-replicas", type=int, default=2,
+                   help="experts each server holds beyond its contiguous share (the slots "
+                   "every policy re-places within); default 2")
+    p.add_argument("--after-shift", type=float, default=10.0,
+                   help="seconds after a shift counted as 'after the shift'; default 10")
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="About 3 minutes per policy and run on 2 CPU cores "
@@ -73,17 +86,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help=f"comma-separated, of {', '.join(POLICIES)}; default all")
     p.add_argument("--runs", type=int, default=3, help="runs of every policy; default 3")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight; default 8")
-    p.add_argument("--output-len", type=int, default=48,
-                   help="tokens per request (greedy, ignore_eos); default 48")
-    p.add_argument("--servers", type=int, default=4, help="expert servers; default 4")
-    p.add_argument("--extra-replicas", type=int, default=2,
-                   help="experts each server holds beyond its contiguous share (the slots "
-                   "every policy re-places within); default 2")
+    traffic_flags(p)
     p.add_argument("--poll", type=float, default=1.0,
                    help="seconds between reads of the servers' counters; default 1")
-    p.add_argument("--after-shift", type=float, default=10.0,
-                   help="seconds after a shift counted as 'after the shift'; default 10")
     p.add_argument("--eplb-interval", type=float, default=10.0,
                    help="the EPLB-like cadence's seconds between passes; default 10")
     p.add_argument("--balance-args", default="",
