@@ -42,8 +42,10 @@ from bench_lib.report import ROOT, Report, default_out, say, spread  # noqa: E40
 from bench_lib.request_routing import RequestRouting, recorded  # noqa: E402
 from bench_balance_shift import traffic_flags  # noqa: E402
 from bench_live_balance import contiguous  # noqa: E402
+from sglang_eaas.balance import forecast  # noqa: E402
 from sglang_eaas.balance.evaluate import layer_load  # noqa: E402
-from sglang_eaas.balance.forecast import RoutingBook, StepRequest, horizon_steps  # noqa: E402
+from sglang_eaas.balance.forecast import (RoutingBook, StepRequest, horizon_steps,  # noqa: E402
+                                          load_overlap)
 from sglang_eaas.balance.policy import BalancePolicy, BalanceSettings  # noqa: E402
 from sglang_eaas.holdings import Holdings  # noqa: E402
 from sglang_eaas.placement import parse_expert_list  # noqa: E402
@@ -77,6 +79,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--move-replica", type=float, default=0.022,
                    help="seconds a re-placement takes per added replica (live: 40 in 0.9 s); "
                    "default 0.022")
+    p.add_argument("--recent-decay", type=float, default=None,
+                   help="the forecast's weight of a running request's older decode rows "
+                   "(balance.forecast.RECENT_DECAY; 1: every row alike), for an ablation; "
+                   "default the forecast's own")
     p.add_argument("--settings", action="append", default=[],
                    help="NAME=FLAGS: a balancer setting to compare, FLAGS as "
                    "--eaas-balance-* flags without the prefix ('cooldown=10 settle=1'); "
@@ -89,6 +95,8 @@ def parse_args() -> argparse.Namespace:
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     if not args.policies or any(x not in POLICIES for x in args.policies):
         p.error(f"--policies: of {', '.join(POLICIES)}, got {args.policies}")
+    if args.recent_decay is not None and not 0 < args.recent_decay <= 1:
+        p.error(f"--recent-decay must be within (0, 1], got {args.recent_decay}")
     if min(args.phases - 1, args.seeds, args.concurrency, args.output_len - 1) < 1:
         p.error("--phases >= 2, --seeds, --concurrency >= 1 and --output-len >= 2")
     settings = {}
@@ -122,6 +130,7 @@ class Outcome:
     replacements: int
     replicas: int
     requests: int
+    overlap: float | None  # the forecast's, with the decode until the next look (None: off)
     intervals: list[tuple[float, float]] = field(default_factory=list)
     steps: list[tuple[float, np.ndarray, bool]] = field(default_factory=list)  # end, entries,
     # decode step
@@ -189,6 +198,7 @@ class Replay:
         durations: collections.deque[float] = collections.deque(maxlen=64)
         interval = np.zeros((L, len(self.servers)))  # entries per server this interval
         holdings, finished = self.holdings, 0
+        guess, decoded, judged = None, np.zeros((L, self.E)), []  # the forecast's accuracy
         intervals, replacements, replicas, tick = [], 0, 0, 1.0
         while t < self.duration:
             if waiting:  # a prefill of every waiting request
@@ -224,6 +234,8 @@ class Replay:
             self.steps_seen.append((t, entries, complete))
             interval += self.served(holdings, entries)
             if complete:
+                decoded += entries
+            if complete:
                 for s in [s for s in running if s.fed >= a.output_len - 1]:
                     running.remove(s)
                     finished += 1
@@ -244,6 +256,11 @@ class Replay:
                 while steps and steps[0][0] < t - self.settings.horizon:
                     steps.popleft()
                 n = horizon_steps(self.settings.horizon, statistics.mean(durations))
+                forecast_now = self.book.forecast(n)  # judged as /metrics judges it: against
+                overlap = load_overlap(guess, decoded) if guess is not None else None  # the
+                if overlap is not None and not np.isnan(overlap).all():  # decode entries
+                    judged.append(float(np.nanmean(overlap)))  # until the next look
+                guess, decoded = forecast_now, np.zeros_like(decoded)
                 ahead = t + self.settings.horizon
                 if self.policy_name == "hindsight":  # the entries of the next horizon
                     estimate = sum((e for at, e, _ in self.future if t < at <= ahead),
@@ -255,7 +272,7 @@ class Replay:
                     estimate = self.knowing_running(running, n)  # decode to come, the rest as
                     # the forecast has it
                 elif self.policy_name == "predictive":
-                    estimate = self.book.forecast(n) + self.book.coming_prefill(n)
+                    estimate = forecast_now + self.book.coming_prefill(n)
                 else:
                     estimate = sum(e for _, e in steps)
                 look, chosen = self.policy.look(t, estimate, holdings, self.slots)
@@ -268,7 +285,9 @@ class Replay:
         kept = [(at, r) for at, r in intervals if not np.isnan(r)]
         after = [r for at, r in kept if any(s <= at < s + a.after_shift for s in shifts)]
         return Outcome(statistics.mean(r for _, r in kept), statistics.mean(after),
-                       replacements, replicas, finished, kept, list(self.steps_seen))
+                       replacements, replicas, finished,
+                       statistics.mean(judged) if judged else None, kept,
+                       list(self.steps_seen))
 
     def knowing_running(self, running: list[Stream], n: int) -> np.ndarray:
         """The forecast with each running request's decode of the next ``n`` steps as it will
@@ -308,6 +327,8 @@ def main() -> int:
     report = Report(args.out)
     from sglang_eaas.model_info import MoeModelInfo
 
+    if args.recent_decay is not None:
+        forecast.RECENT_DECAY = args.recent_decay
     info = MoeModelInfo.from_model_path(args.model)
     layers, E, K = list(info.moe_layers), info.num_experts, info.top_k
     lists = {mix: mix_prompts(mix, 64) for mix in CYCLE}
@@ -341,8 +362,8 @@ def main() -> int:
         f"{args.after_shift:g} s of one. Cells: median [min-max] over {args.seeds} seeds. "
         "Simulated time: rank settings here, quote the live benchmark.")
     rows = ["| setting | policy | busiest/mean, time-averaged | after a shift | excess after a "
-            "shift vs reactive | re-placements | replicas added | requests |",
-            "|---|---|---:|---:|---:|---:|---:|---:|"]
+            "shift vs reactive | re-placements | replicas added | requests | forecast overlap |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for (name, policy), outs in results.items():
         reactive = results.get((name, "reactive"))
         cut = ""
@@ -353,11 +374,13 @@ def main() -> int:
                     f"{spread([o.after for o in outs], '.3f')} | {cut} | "
                     f"{spread([o.replacements for o in outs], '.0f')} | "
                     f"{spread([o.replicas for o in outs], '.0f')} | "
-                    f"{spread([o.requests for o in outs], '.0f')} |")
+                    f"{spread([o.requests for o in outs], '.0f')} | "
+                    f"{spread([o.overlap for o in outs], '.3f')} |")
     report.add("\n".join(rows))
     report.add("Settings: " + "; ".join(
         f"`{name}`: {' '.join(f'{k}={v}' for k, v in s.items()) or 'the defaults'}"
-        for name, s in args.settings.items()))
+        for name, s in args.settings.items()) + f"; the forecast's RECENT_DECAY "
+        f"{forecast.RECENT_DECAY:g}" + (" (--recent-decay)" if args.recent_decay else ""))
     report.save()
     return 0
 
