@@ -5,17 +5,16 @@ far, its prefill's (its prompt) and then its decode's (``RoutingBook``, fed by t
 each step's rows and which request owns them). The forecast of the next ``steps`` decode steps
 is ``steps * running * top_k`` entries per layer: each running request's tokens left in the
 window spread as its own decode rows (a request keeps its experts; its recent rows weigh more,
-``RECENT_DECAY``: a generation drifts), the rest (the requests
-still to start) as the decode rows of the requests that started over the last ``steps`` steps
-spread theirs, each counted alike once it decoded ``FULL_ROWS`` rows (in proportion to its rows
-before): the newest starters are the mix now arriving, and a mix's decode tells its decode
-better than its prompts do (``scripts/bench_forecast_bound.py``). Pooling their rows instead
-would weigh the starters by the rows they decoded so far, so after a shift of the mix the old
-mix's longer-running starters would outweigh the new ones for most of a window. Before any of
-them has decoded, it falls back to the prompts: each running request's ``min(steps, remaining)
-* top_k`` spread as its own profile, the rest as the newest prompts. Requests still in SGLang's
-queue have no routing yet and are not in it; they show up at their prefill, a step after
-admission.
+``RECENT_DECAY``: a generation drifts), the rest (the requests still to start) as the decode
+rows of the requests that started over the last ``steps`` steps spread theirs, each counted
+alike once it decoded ``FULL_ROWS`` rows (in proportion to its rows before): the newest starters
+are the mix now arriving, and a mix's decode tells its decode better than its prompts do
+(``scripts/bench_forecast_bound.py``). Pooling their rows instead would weigh the starters by
+the rows they decoded so far, so after a shift of the mix the old mix's longer-running starters
+would outweigh the new ones for most of a window. Before any of them has decoded, it falls back
+to the prompts: each running request's ``min(steps, remaining) * top_k`` spread as its own
+profile, the rest as the newest prompts. Requests still in SGLang's queue have no routing yet
+and are not in it; they show up at their prefill, a step after admission.
 
 The servers count prefill entries too, and a prompt routes all its tokens at once: the entries
 of the prompts to come (``coming_prefill``) are those of the prompts that started over the last
@@ -236,18 +235,18 @@ class RoutingBook:
             return None if slot is None else self._counts[slot].astype(np.int64)
 
     def forecast(self, steps: int) -> np.ndarray:
-        """``[L, E]`` float64: the decode entries of the next ``steps`` steps, ``steps *
-        running * top_k`` per layer (the tier keeps about as many requests running, the ones
-        that end replaced): each running request's ``min(steps, remaining) * top_k`` spread as
-        its own decode rows spread theirs (a request keeps its experts; each row weighing
-        ``RECENT_DECAY`` less than the next; in proportion to its rows up to ``FULL_ROWS``,
-        the rest of its share as the starters'), and the rest, the
-        requests that will start, spread as the decode entries of the requests that started
-        over the last ``steps`` steps (at least the latest ``RECENT_ARRIVALS``; running or
-        ended) spread theirs, each alike from ``FULL_ROWS`` decode rows: a mix's decode is
-        told best by that mix's decode (``bench_forecast_bound``: better than its prompts),
-        and the newest starters are the mix now arriving. Right after a shift of the mix, the
-        window is still partly the old mix's requests finishing, and the forecast says so.
+        """``[L, E]`` float64: the decode entries of the next ``steps`` steps, ``steps * running *
+        top_k`` per layer (the tier keeps about as many requests running, the ones that end
+        replaced): each running request's ``min(steps, remaining) * top_k`` spread as its own decode
+        rows spread theirs (a request keeps its experts; each row weighing ``RECENT_DECAY`` less
+        than the next; in proportion to its rows up to ``FULL_ROWS``, the rest of its share as the
+        starters'), and the rest, the requests that will start, spread as the decode entries of the
+        requests that started over the last ``steps`` steps (at least the latest
+        ``RECENT_ARRIVALS``; running or ended) spread theirs, each alike from ``FULL_ROWS`` decode
+        rows: a mix's decode is told best by that mix's decode (``bench_forecast_bound``: better
+        than its prompts), and the newest starters are the mix now arriving. Right after a shift of
+        the mix, the window is still partly the old mix's requests finishing, and the forecast says
+        so.
 
         Before any of them decoded an entry, the older forecast: each running request's
         ``min(steps, remaining) * top_k`` spread as its own entries, the rest spread as the
