@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lib.live_balance_prompts import MIXES, prompts as mix_prompts  # noqa: E402
+from bench_lib.live_balance_prompts import SHIFT_MIXES, prompts as mix_prompts  # noqa: E402
 from bench_lib.report import ROOT, Report, default_out, say, spread  # noqa: E402
 from bench_lib.request_routing import RequestRouting, recorded  # noqa: E402
 from bench_balance_shift import traffic_flags  # noqa: E402
@@ -52,7 +52,6 @@ from sglang_eaas.placement import parse_expert_list  # noqa: E402
 
 POLICIES = ("off", "reactive", "predictive", "hindsight-running", "hindsight-decode",
             "hindsight")
-CYCLE = ("stdlib-held-out", "other-code", "prose")
 
 
 def parse_args() -> argparse.Namespace:
@@ -156,7 +155,7 @@ class Replay:
         self.cache: collections.OrderedDict[str, int] = collections.OrderedDict()  # -> tokens
         self.servers = sorted(holdings)
         self.slots = max(len(ids) for server in holdings.values() for ids in server.values())
-        self.bounds = [(i * args.phase_seconds, CYCLE[i % len(CYCLE)])
+        self.bounds = [(i * args.phase_seconds, SHIFT_MIXES[i % len(SHIFT_MIXES)])
                        for i in range(args.phases)]
         self.duration = args.phases * args.phase_seconds
 
@@ -331,7 +330,7 @@ def main() -> int:
         forecast.RECENT_DECAY = args.recent_decay
     info = MoeModelInfo.from_model_path(args.model)
     layers, E, K = list(info.moe_layers), info.num_experts, info.top_k
-    lists = {mix: mix_prompts(mix, 64) for mix in CYCLE}
+    lists = {mix: mix_prompts(mix, 64) for mix in SHIFT_MIXES}
     say(f"recording the routing of {len({p for v in lists.values() for p in v})} prompts "
         "(cached)")
     routing = recorded(args.model, [p for v in lists.values() for p in v], args.output_len,
@@ -349,12 +348,11 @@ def main() -> int:
                     args, routing, lists, holdings, layers, E, K, policy, settings,
                     seed).run())
             say(f"  {name}, {policy}: done")
-    assert all(m in MIXES for m in CYCLE)
     report.add(
         f"Replay of `bench_balance_shift`'s traffic on recorded routing (`{args.model.name}`, "
         f"{len(layers)} MoE layers x {E} experts, top-{K}): {args.concurrency} closed-loop "
         f"streams of {args.output_len}-token greedy requests, {args.phases} phases of "
-        f"{args.phase_seconds:g} s cycling {', '.join(CYCLE)} ({args.phases - 1} shifts); "
+        f"{args.phase_seconds:g} s cycling {', '.join(SHIFT_MIXES)} ({args.phases - 1} shifts); "
         f"{args.servers} servers of the live benchmark's starting placement; simulated decode "
         f"step {args.decode_step * 1000:g} ms, prefill {args.prefill_token * 1000:g} ms per "
         f"token, a re-placement {args.move_replica * 1000:g} ms per added replica. Busiest/mean "

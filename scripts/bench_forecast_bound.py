@@ -34,21 +34,18 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lib.live_balance_prompts import MIXES, halves  # noqa: E402
+from bench_lib.live_balance_prompts import MIXES, SHIFT_MIXES, halves  # noqa: E402
 from bench_lib.report import ROOT, Report, default_out, say  # noqa: E402
 from bench_lib.request_routing import record  # noqa: E402
 from sglang_eaas.balance.forecast import load_overlap  # noqa: E402
 from sglang_eaas.balance.traces import load_model, moe_layers  # noqa: E402
-
-DEFAULT_MIXES = ("stdlib-held-out", "other-code", "prose")
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-moe-stdlib",
                    help="the checkpoint; default models/tiny-moe-stdlib (the trained one)")
-    p.add_argument("--mixes", default=",".join(DEFAULT_MIXES),
+    p.add_argument("--mixes", default=",".join(SHIFT_MIXES),
                    help=f"comma-separated, of {', '.join(MIXES)}; default %(default)s")
     p.add_argument("--requests", type=int, default=24,
                    help="requests per half of each mix; default 24")

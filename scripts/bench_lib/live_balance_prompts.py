@@ -135,6 +135,7 @@ PROSE = (
 )
 
 MIXES = ("stdlib-held-out", "python-apps", "other-code", "prose")
+SHIFT_MIXES = ("stdlib-held-out", "other-code", "prose")  # the shift benchmarks' order
 DESCRIBED = {
     "stdlib-held-out": "4-24 line runs of held-out stdlib files (the training corpus' split "
     "the checkpoint never saw)",
