@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_lib.live_balance_measure import busiest_over_mean  # noqa: E402
 from bench_lib.live_balance_prompts import SHIFT_MIXES, prompts as mix_prompts  # noqa: E402
 from bench_lib.report import ROOT, Report, default_out, say, spread  # noqa: E402
 from bench_lib.request_routing import RequestRouting, recorded  # noqa: E402
@@ -98,13 +100,18 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--recent-decay must be within (0, 1], got {args.recent_decay}")
     if min(args.phases - 1, args.seeds, args.concurrency, args.output_len - 1) < 1:
         p.error("--phases >= 2, --seeds, --concurrency >= 1 and --output-len >= 2")
-    settings = {}
+    settings, defaults = {}, BalanceSettings()
     for item in args.settings or ["defaults="]:
         name, _, flags = item.partition("=")
         try:
             fields = dict(f.split("=", 1) for f in flags.split())
-            settings[name] = {k: type(getattr(BalanceSettings(), k))(v) if getattr(
-                BalanceSettings(), k) is not None else int(v) for k, v in fields.items()}
+            known = [f.name for f in dataclasses.fields(BalanceSettings) if f.name != "mode"]
+            unknown = sorted(set(fields) - set(known))
+            if unknown:
+                p.error(f"--settings {item!r}: no setting {', '.join(unknown)} (of "
+                        f"{', '.join(known)})")
+            settings[name] = {k: int(v) if getattr(defaults, k) is None  # slots
+                              else type(getattr(defaults, k))(v) for k, v in fields.items()}
             BalanceSettings("reactive", **settings[name])
         except (ValueError, AttributeError, TypeError) as exc:
             p.error(f"--settings {item!r}: {exc}")
@@ -131,8 +138,8 @@ class Outcome:
     requests: int
     overlap: float | None  # the forecast's, with the decode until the next look (None: off)
     intervals: list[tuple[float, float]] = field(default_factory=list)
-    steps: list[tuple[float, np.ndarray, bool]] = field(default_factory=list)  # end, entries,
-    # decode step
+    steps: list[tuple[float, np.ndarray, bool]] = field(default_factory=list)  # (end, [L, E],
+    # a decode step): what the servers computed
 
 
 class Replay:
@@ -147,7 +154,6 @@ class Replay:
         self.holdings, self.policy_name, self.seed = holdings, policy, seed
         self.settings = BalanceSettings(policy if policy == "predictive" else "reactive",
                                         **settings)
-        self.steps_seen: list[tuple[float, np.ndarray, bool]] = []  # (end, [L, E], decode)
         self.future: list[tuple[float, np.ndarray, bool]] = []  # hindsight
         self.policy = BalancePolicy(self.settings, tuple(layers))
         self.book = RoutingBook(layers, num_experts, top_k)
@@ -193,7 +199,8 @@ class Replay:
             self.start(s, 0.0)
         running: list[Stream] = []
         t, next_look, pending = 0.0, self.settings.period, None  # (in force at, target)
-        steps: collections.deque[tuple[float, np.ndarray]] = collections.deque()  # counters
+        steps: list[tuple[float, np.ndarray, bool]] = []  # (end, [L, E], a decode step)
+        counted = 0  # the first step the servers' counters over the horizon still hold
         durations: collections.deque[float] = collections.deque(maxlen=64)
         interval = np.zeros((L, len(self.servers)))  # entries per server this interval
         holdings, finished = self.holdings, 0
@@ -229,12 +236,10 @@ class Replay:
                                 for i in range(L)]).astype(np.float64)
             t += dt
             durations.append(dt)
-            steps.append((t, entries))
-            self.steps_seen.append((t, entries, complete))
+            steps.append((t, entries, complete))
             interval += self.served(holdings, entries)
             if complete:
                 decoded += entries
-            if complete:
                 for s in [s for s in running if s.fed >= a.output_len - 1]:
                     running.remove(s)
                     finished += 1
@@ -252,8 +257,8 @@ class Replay:
                 next_look += self.settings.period
                 if self.policy_name == "off" or pending is not None:
                     continue
-                while steps and steps[0][0] < t - self.settings.horizon:
-                    steps.popleft()
+                while steps[counted][0] < t - self.settings.horizon:
+                    counted += 1
                 n = horizon_steps(self.settings.horizon, statistics.mean(durations))
                 forecast_now = self.book.forecast(n)  # judged as /metrics judges it: against
                 overlap = load_overlap(guess, decoded) if guess is not None else None  # the
@@ -273,7 +278,7 @@ class Replay:
                 elif self.policy_name == "predictive":
                     estimate = forecast_now + self.book.coming_prefill(n)
                 else:
-                    estimate = sum(e for _, e in steps)
+                    estimate = sum(e for _, e, _ in steps[counted:])
                 look, chosen = self.policy.look(t, estimate, holdings, self.slots)
                 if chosen is not None:
                     self.policy.acted(t)
@@ -285,8 +290,7 @@ class Replay:
         after = [r for at, r in kept if any(s <= at < s + a.after_shift for s in shifts)]
         return Outcome(statistics.mean(r for _, r in kept), statistics.mean(after),
                        replacements, replicas, finished,
-                       statistics.mean(judged) if judged else None, kept,
-                       list(self.steps_seen))
+                       statistics.mean(judged) if judged else None, kept, steps)
 
     def knowing_running(self, running: list[Stream], n: int) -> np.ndarray:
         """The forecast with each running request's decode of the next ``n`` steps as it will
@@ -314,11 +318,9 @@ class Replay:
     def measure(self, per_server: np.ndarray) -> float:
         """An interval's busiest server over the mean, mean over the MoE layers with at least
         one step's entries (``concurrency * top_k``)."""
-        total = per_server.sum(axis=1)
-        ok = total >= self.args.concurrency * self.K
-        if not ok.any():
-            return float("nan")
-        return float(np.mean(per_server[ok].max(axis=1) / per_server[ok].mean(axis=1)))
+        ratios = busiest_over_mean(per_server.T)
+        ratios[per_server.sum(axis=1) < self.args.concurrency * self.K] = np.nan
+        return float("nan") if np.isnan(ratios).all() else float(np.nanmean(ratios))
 
 
 def main() -> int:

@@ -159,7 +159,7 @@ class RoutingBook:
             decoding = slots[decode]
             self._recent[decoding] = self._recent[decoding] * RECENT_DECAY \
                 + counts[:, decode].transpose(1, 0, 2)
-            self._decode_rows[slots[decode]] += np.array(
+            self._decode_rows[decoding] += np.array(
                 [r.rows for r in requests if r.decode], dtype=np.int64)
             self._remaining[slots] = [r.remaining for r in requests]
             self._seen[slots] = self.steps
