@@ -19,7 +19,11 @@ mean per MoE layer in each poll interval, averaged over the layers and over the 
 replicas added (the monitor's operation records); the longest gap between two tokens of a
 request while a re-placement ran and elsewhere; the forecast's and the reactive estimate's
 overlap with the decode load that followed (SGLang's ``/metrics``, balancer runs); and whether
-every prompt's tokens were the same under every policy. And a measured bound, from the
+every prompt's tokens were the same under every policy. Optionally (``--policies ...,
+hindsight-running``) a policy no server can run, as a bound: ``predictive`` whose forecast knows
+each running request's own decode to come exactly (each prompt's routing recorded beforehand
+through the checkpoint, ``bench_lib/request_routing.py``; ``balance/known_futures.py``): what it
+cuts bounds any forecast from the requests already running. And a measured bound, from the
 ``off`` runs' counters: the busiest/mean a placement fitted in hindsight reaches, fitted to each
 phase's whole load and in place from the phase's first second (no lag, no move), and fitted to
 each interval's own load (what no policy acting on the past can beat). Report:
@@ -29,6 +33,7 @@ each interval's own load (what no policy acting on the past can beat). Report:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import statistics
 import subprocess
@@ -51,12 +56,15 @@ from sglang_eaas.protocol.operations import DONE, REBALANCE
 
 from bench_lib import live_balance_measure as M
 from bench_lib.live_balance_prompts import MIXES, prompts as mix_prompts
+from bench_lib.request_routing import recorded
 from bench_lib.report import Report, default_out, say, spread
 from bench_lib.streams import closed_loop
 from bench_live_balance import contiguous
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICIES = ("off", "eplb", "reactive", "predictive")
+POLICIES = ("off", "eplb", "reactive", "predictive")  # the default set
+KNOWING = "hindsight-running"  # a bound, on request: predictive knowing the running requests'
+BALANCERS = ("reactive", "predictive", KNOWING)  # future (balance/known_futures.py)
 GOAL_RATIO, GOAL_CUT = 1.15, 0.20  # time-averaged busiest/mean; less excess than reactive
 
 
@@ -84,7 +92,9 @@ def parse_args() -> argparse.Namespace:
                    help="MIX:SECONDS,... in order; mixes: " + ", ".join(MIXES)
                    + "; default %(default)s")
     p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"comma-separated, of {', '.join(POLICIES)}; default all")
+                   help=f"comma-separated, of {', '.join(POLICIES)} and {KNOWING} (a bound: "
+                   "predictive whose forecast knows each running request's decode to come, "
+                   "recorded beforehand); default %(default)s")
     p.add_argument("--runs", type=int, default=3, help="runs of every policy; default 3")
     traffic_flags(p)
     p.add_argument("--poll", type=float, default=1.0,
@@ -109,8 +119,8 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--phases: at least two phases of known mixes ({', '.join(MIXES)}) and "
                 f"seconds > 0; bad: {', '.join(bad) or '(fewer than two)'}")
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-    if not args.policies or any(x not in POLICIES for x in args.policies):
-        p.error(f"--policies: of {', '.join(POLICIES)}, got {args.policies}")
+    if not args.policies or any(x not in (*POLICIES, KNOWING) for x in args.policies):
+        p.error(f"--policies: of {', '.join(POLICIES)}, {KNOWING}, got {args.policies}")
     if min(args.runs, args.concurrency, args.output_len, args.servers - 1) < 1:
         p.error("--runs, --concurrency and --output-len must be >= 1 and --servers >= 2")
     return args
@@ -135,8 +145,9 @@ class Result:
 
 def config(args, experts: list[str], policy: str) -> dict:
     cpu = ["--device", "cpu"] if cpu_runtime.is_active() else []
-    balance = (["--eaas-balance", policy, *args.balance_args.split()]
-               if policy in ("reactive", "predictive") else [])
+    mode = "predictive" if policy == KNOWING else policy
+    balance = (["--eaas-balance", mode, *args.balance_args.split()]
+               if policy in BALANCERS else [])
     return {"model": str(args.model), "monitor": "standalone",
             "expert_servers": {"experts": experts},
             "sglang": {"args": [*cpu, "--max-total-tokens", "8192", "--dtype", "float32",
@@ -155,11 +166,31 @@ def overlaps(text: str) -> dict[str, float]:
     return out
 
 
+def prompt_key(prompt: str) -> str:
+    """The key a prompt's recorded routing goes by (``KnownFutures``)."""
+    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
+
+
+def known_futures(args, path: Path) -> Path:
+    """Every phase's prompts' decode routing, recorded through the checkpoint (cached), written
+    to ``path`` by ``prompt_key`` for ``SGLANG_EAAS_BALANCE_KNOWN_FUTURES``."""
+    texts = [p for mix in dict.fromkeys(m for m, _ in args.phases) for p in mix_prompts(mix, 64)]
+    routing = recorded(args.model, texts, args.output_len, ROOT / ".cache" / "bench" / "routing",
+                       say)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **{prompt_key(t): r.output for t, r in routing.items()})
+    return path
+
+
 def one(args, info, experts: list[str], slots: int, policy: str, run: int) -> Result:
     say(f"run {run}/{args.runs}, {policy}: a fresh tier")
     cfg = parse_config(config(args, experts, policy), f"balance-shift-{policy}")
     logs = args.log_dir / f"{policy}-{run}"
-    with Deployment(cfg, logs, progress=lambda line: say("  " + line)) as deployment:
+    deployment = Deployment(cfg, logs, progress=lambda line: say("  " + line))
+    if policy == KNOWING:
+        deployment.env[envs.BALANCE_KNOWN_FUTURES.name] = str(known_futures(
+            args, args.log_dir / "known-futures.npz"))
+    with deployment:
         url = next(e.address for e in deployment.endpoints() if e.name.startswith("plain"))
         addresses = [c.address for c in deployment.expert_servers]
         token, monitor = deployment.token, deployment.monitor_url
@@ -188,7 +219,7 @@ def one(args, info, experts: list[str], slots: int, policy: str, run: int) -> Re
             while not stop.wait(args.poll) and time.perf_counter() - began[0] < duration:
                 readings.append((time.perf_counter(), M.read_counters(addresses, token,
                                                                       layers, E)))
-                if policy in ("reactive", "predictive"):
+                if policy in BALANCERS:
                     seen.append(overlaps(M.metrics_text(url)))
 
         eplb = None
@@ -212,7 +243,9 @@ def one(args, info, experts: list[str], slots: int, policy: str, run: int) -> Re
         readings.append((began[0], M.read_counters(addresses, token, layers, E)))
         try:
             loop = closed_loop(url, prompt_of, args.output_len, args.concurrency, duration,
-                               during=poll)
+                               during=poll, fields_of=lambda worker, n: {
+                                   "rid": f"{prompt_key(sent[(worker, n)])}:{policy}-{run}-"
+                                          f"{worker}-{n}"})
         finally:
             stop.set()
             if eplb is not None:
@@ -331,7 +364,12 @@ def report(out: Report, args, info, experts, slots, results: list[Result]) -> Re
         "eplb": f"`eplb`, `tools.rebalance --policy eplb --interval {args.eplb_interval:g}` "
                 "beside the server (a fixed cadence on the servers' counters since the last "
                 "pass, SGLang's EPLB placement)",
-        "reactive": f"`reactive`, {balancer}", "predictive": f"`predictive`, {balancer}"}
+        "reactive": f"`reactive`, {balancer}", "predictive": f"`predictive`, {balancer}",
+        KNOWING: f"`{KNOWING}` (a bound, not a policy a server can run): `predictive`, "
+                 f"{balancer}, whose forecast knows each running request's own decode to come "
+                 "(every prompt's routing recorded beforehand through the checkpoint, greedy; "
+                 "`SGLANG_EAAS_BALANCE_KNOWN_FUTURES`), the requests still to come spread as "
+                 "the forecast spreads them"}
     out.add(
         f"Checkpoint `{args.model.name}` ({len(info.moe_layers)} MoE layers x "
         f"{info.num_experts} experts, top-{info.top_k}), per policy and run a fresh tier: a "
@@ -341,7 +379,7 @@ def report(out: Report, args, info, experts, slots, results: list[Result]) -> Re
         f"streams of greedy requests ({args.output_len} tokens, `ignore_eos`) whose prompts "
         f"come from the phase's mix: {phases} (the checkpoint saw only the stdlib; "
         "`other-code` and `prose` are mixes nothing here was fitted on). Policies: "
-        + "; ".join(described[p] for p in POLICIES if p in args.policies)
+        + "; ".join(described[p] for p in (*POLICIES, KNOWING) if p in args.policies)
         + f". Busiest/mean: per {args.poll:g} s interval of the "
         "servers' counters, the busiest server's entries over the mean per MoE layer, the mean "
         f"over layers; **time-averaged** over the run, **after a shift** over the intervals "
@@ -397,6 +435,15 @@ def report(out: Report, args, info, experts, slots, results: list[Result]) -> Re
             f"{GOAL_CUT:.0%} less excess than reactive after a shift: "
             f"**{'met' if cut >= GOAL_CUT else 'NOT met'}** ({excess_p:.3f} against "
             f"{excess_r:.3f}: {cut:.0%} less).")
+        if by.get(KNOWING):
+            excess_k = statistics.median(r.after for r in by[KNOWING]) - 1
+            cut_k = 1 - excess_k / excess_r if excess_r > 0 else float("nan")
+            verdict.append(
+                f"Bound: the same balancer knowing each running request's decode to come "
+                f"({KNOWING}) has {excess_k:.3f} excess after a shift, {cut_k:.0%} less than "
+                f"reactive: no forecast from the running requests cuts more than that here"
+                + (f" (short of the {GOAL_CUT:.0%} goal: what it needs is the requests not yet "
+                   "admitted)" if cut_k < GOAL_CUT else "") + ".")
         if fits:
             verdict.append(bound_verdict(
                 statistics.median(f["phase"] for f in fits),

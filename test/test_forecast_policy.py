@@ -430,3 +430,37 @@ def test_the_balance_flags_are_checked_in_one_sentence():
         settings("--eaas-balance", "reactive", "--eaas-balance-trigger", "0.9")
     with pytest.raises(ValueError, match="--eaas-balance-shift within 0-1"):
         settings("--eaas-balance", "reactive", "--eaas-balance-shift", "1.5")
+
+
+def test_knowing_the_running_requests_future_counts_its_next_rows_exactly(tmp_path):
+    """The measured bound's estimate (balance/known_futures.py): request "old" made FULL_ROWS
+    decode rows and has 3 tokens left; its recorded rows route to experts 10-12 before row
+    FULL_ROWS and to 7-9 from it, so its next 3 rows are 3 entries on each of 7, 8 and 9 in
+    every layer; the rest of the window (and "other", whose key has no recording) is spread as
+    the starters', all on expert 1."""
+    from sglang_eaas.balance.forecast import FULL_ROWS, RECENT_ARRIVALS
+    from sglang_eaas.balance.known_futures import KnownFutures
+
+    rows = np.array([[10, 11, 12]] * FULL_ROWS + [[7, 8, 9]] * 5)  # [O, K]
+    np.savez(tmp_path / "f.npz", k1=np.stack([rows] * len(LAYERS)).astype(np.int16))
+    known = KnownFutures.load(tmp_path / "f.npz", len(LAYERS), E)
+    book = RoutingBook(LAYERS, E, K)
+    step = _one_entry_steps(book)
+    for key in ("k1:old", "other"):
+        step([StepRequest(key, 3, False, 3 + FULL_ROWS)], 5)
+        for i in range(FULL_ROWS):
+            step([StepRequest(key, 1, True, 3 + FULL_ROWS - 1 - i)], 0)
+    for n in range(RECENT_ARRIVALS):
+        step([StepRequest(f"new{n}", 3, False, FULL_ROWS)], 5)
+        for i in range(FULL_ROWS):
+            step([StepRequest(f"new{n}", 1, True, FULL_ROWS - 1 - i,
+                              finished=i == FULL_ROWS - 1)], 1)
+    steps = 10
+    got = book.forecast_knowing(steps, known.entries)
+    want = np.zeros((len(LAYERS), E))
+    want[:, [7, 8, 9]] = 3
+    want[:, 1] = steps * 2 * K - 9
+    assert book.running == 2 and np.allclose(got, want)
+    with pytest.raises(ValueError, match="not \\[2 MoE layers"):
+        np.savez(tmp_path / "bad.npz", k=np.zeros((3, 4, K), dtype=np.int16))
+        KnownFutures.load(tmp_path / "bad.npz", len(LAYERS), E)

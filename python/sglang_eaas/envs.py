@@ -71,5 +71,14 @@ ETCD_LOSS_TIMEOUT = EnvVar(
     "before it is lost (default 10; whole seconds, at least four heartbeat periods).",
 )
 
+BALANCE_KNOWN_FUTURES = EnvVar(
+    "SGLANG_EAAS_BALANCE_KNOWN_FUTURES",
+    "",
+    "For a measured bound only (scripts/bench_balance_shift.py, policy hindsight-running): an "
+    ".npz of each request's decode routing recorded beforehand, by the key its rid starts with; "
+    "'--eaas-balance predictive' then forecasts the running requests' decode as it will be "
+    "(balance/known_futures.py). Never set it when serving.",
+)
+
 ALL = (CPU_RUNTIME, FORKSERVER, TOKEN, KERNEL_CACHE, OPERATION_LEASE, ETCD_SUSPECT_TIMEOUT,
-       ETCD_LOSS_TIMEOUT)
+       ETCD_LOSS_TIMEOUT, BALANCE_KNOWN_FUTURES)

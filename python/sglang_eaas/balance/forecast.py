@@ -33,7 +33,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -275,6 +275,33 @@ class RoutingBook:
                                _spread(arrivals) if arrivals else None)
         self.cost += time.perf_counter() - began
         return out
+
+    def forecast_knowing(self, steps: int,
+                         known: Callable[[str, int, int], np.ndarray | None]) -> np.ndarray:
+        """``forecast`` with each running request's own decode to come as it will be:
+        ``known(key, decode rows made, n)`` gives the ``[L, E]`` entries of its next ``n`` rows
+        (None: not known; that request's tokens are then spread as the requests to come).
+        Nothing serving knows that: it is the estimate of a measured bound
+        (``balance/known_futures.py``)."""
+        began = time.perf_counter()
+        with self._lock:
+            live = list(self._slot.items())
+            slots = np.array([slot for _, slot in live], dtype=np.int64)
+            done, remaining = self._decode_rows[slots].copy(), self._remaining[slots].copy()
+            decode = self._recent_decode(steps, slots)
+            arrivals = self._recent_arrivals(steps) if decode is None else None
+        own = np.zeros((len(self.layers), self.num_experts))
+        for (key, _), made, left in zip(live, done, remaining):
+            entries = known(key, int(made), int(min(steps, left)))
+            if entries is not None:
+                own += entries
+        rest = (_starters_spread(decode) if decode is not None
+                else _spread(arrivals) if arrivals else None)
+        if rest is not None:
+            own += np.maximum(0.0, steps * len(live) * self.top_k - own.sum(axis=1))[:, None] \
+                * rest
+        self.cost += time.perf_counter() - began
+        return own
 
     def _window(self, steps: int, shares: np.ndarray, held: np.ndarray,
                 remaining: np.ndarray, rest: np.ndarray | None) -> np.ndarray:

@@ -33,6 +33,7 @@ import numpy as np
 from ibgda import TransportError
 from sglang_eaas import envs
 from sglang_eaas.balance.forecast import RoutingBook, horizon_steps, load_overlap
+from sglang_eaas.balance.known_futures import KnownFutures
 from sglang_eaas.balance.live import fullest, plan, tier_holdings
 from sglang_eaas.controller.rebalance import rebalance
 from sglang_eaas.balance.policy import BalancePolicy, BalanceSettings
@@ -66,6 +67,13 @@ class TierBalancer:
         self._guesses: dict[str, np.ndarray] = {}  # the last look's estimates, judged next look
         self._said = ""
         self._last_why = ""
+        self.known = None  # a measured bound's estimate (balance/known_futures.py), never serving
+        if envs.BALANCE_KNOWN_FUTURES.get() and settings.mode == "predictive":
+            self.known = KnownFutures.load(envs.BALANCE_KNOWN_FUTURES.get(),
+                                           len(self.layers), info.num_experts)
+            logger.warning("eaas balance: %s is set: the forecast knows the decode to come of "
+                           "%d recorded requests (a measured bound, not serving)",
+                           envs.BALANCE_KNOWN_FUTURES.name, len(self.known))
         threading.Thread(target=self._run, name="eaas-balance", daemon=True).start()
 
     def _run(self) -> None:
@@ -99,7 +107,8 @@ class TierBalancer:
         forecast, steps = None, 0
         if book is not None:
             steps = horizon_steps(self.settings.horizon, book.step_seconds())
-            forecast = book.forecast(steps)
+            forecast = (book.forecast(steps) if self.known is None
+                        else book.forecast_knowing(steps, self.known.entries))
             self._judge(book)
             self._guesses = {"predictive": forecast, "reactive": recent}
         estimate = recent
