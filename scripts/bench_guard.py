@@ -15,6 +15,11 @@ With each run it reads the CPU seconds of each server's processes around every b
 run, split into SGLang's scheduler (the rank), the expert servers and the rest, and prints
 them per 1000 output tokens (median of the runs): where the cores go, which a throughput ratio
 alone does not say.
+
+``--no-expert-compute`` adds, in each run, this tree's ``--eaas`` path with expert servers whose
+kernel returns zeros without computing (``bench_lib/no_expert_compute``; outputs wrong, only
+times count): everything the path costs except the experts' arithmetic, so its ratio to
+monolithic bounds what any expert kernel could reach on this host.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from bench_lib.report import Report, default_out, git_commit, say, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 THIS = "this tree"
+BOUND = "this tree, experts computing nothing"  # --no-expert-compute
+NO_COMPUTE = Path(__file__).resolve().parent / "bench_lib" / "no_expert_compute"
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,9 +55,13 @@ def parse_args() -> argparse.Namespace:
         "bench_serving at every concurrency on each: about 8 minutes per run with the "
         "defaults; the first run at a commit also compiles its extension. Run it on an "
         "otherwise idle machine.")
-    p.add_argument("--against", required=True, metavar="COMMIT",
+    p.add_argument("--against", metavar="COMMIT",
                    help="the commit (hash, tag or branch) to compare this tree with, e.g. the "
                    "last release")
+    p.add_argument("--no-expert-compute", action="store_true",
+                   help="also run this tree's --eaas path with expert servers that return zeros "
+                   "without computing (a bound: what no expert kernel can beat; its outputs are "
+                   "wrong, its times are the point)")
     p.add_argument("--runs", type=int, default=3, help="runs; default 3")
     p.add_argument("--concurrency", default="8,32",
                    help="comma-separated bench_serving --max-concurrency values; default 8,32 "
@@ -78,11 +89,15 @@ def parse_args() -> argparse.Namespace:
         p.error("--concurrency, --runs and --prompts-per-slot must be >= 1")
     if min(args.input_len, args.output_len) < 1:
         p.error("--input-len and --output-len must be >= 1")
-    found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet",
-                            f"{args.against}^{{commit}}"], capture_output=True, text=True)
-    if found.returncode != 0:
-        p.error(f"--against {args.against!r}: no such commit in {ROOT}")
-    args.against_hash = found.stdout.strip()
+    if args.against is None and not args.no_expert_compute:
+        p.error("give --against COMMIT, --no-expert-compute, or both")
+    args.against_hash = None
+    if args.against is not None:
+        found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet",
+                                f"{args.against}^{{commit}}"], capture_output=True, text=True)
+        if found.returncode != 0:
+            p.error(f"--against {args.against!r}: no such commit in {ROOT}")
+        args.against_hash = found.stdout.strip()
     return args
 
 
@@ -146,20 +161,29 @@ def main() -> int:
     args = parse_args()
     report = Report(args.out)
     model = cached_model(ROOT / ".cache" / "models", PRESETS["bench"], log=lambda m: say("  " + m))
-    other = f"{args.against} ({args.against_hash[:9]})"
+    other = f"{args.against} ({args.against_hash[:9]})" if args.against_hash else None
+    trees = {THIS: {}}  # tree -> its environment
     try:
-        trees = {THIS: {}, other: {"PYTHONPATH": python_path(checkout(args.against_hash))}}
+        if other:
+            trees[other] = {"PYTHONPATH": python_path(checkout(args.against_hash))}
     except subprocess.CalledProcessError as exc:
         print(f"bench_guard: error: could not set up {other}: {exc.stderr or exc}",
               file=sys.stderr)
         return 1
+    bound = {}  # the bound's environment: this tree, and the folder of its sitecustomize
+    if args.no_expert_compute:
+        bound = {"PYTHONPATH": os.pathsep.join(
+            p for p in (str(NO_COMPUTE), os.environ.get("PYTHONPATH", "")) if p)}
     base = CPU_ARGS if cpu_runtime.is_active() else ()
     eaas = (*base, *shlex.split(args.eaas_args))
     # ratios[tree][c] = ([throughput ratio per run], [TPOT ratio per run])
-    ratios = {tree: {c: ([], []) for c in args.concurrency} for tree in trees}
+    rows = [*trees, *([BOUND] if bound else [])]
+    ratios = {tree: {c: ([], []) for c in args.concurrency} for tree in rows}
     # cpu[(tree, kind)][c][role] = [CPU seconds per 1000 output tokens, per run]
     cpu = {(tree, kind): {c: {r: [] for r in ROLES} for c in args.concurrency}
            for tree in trees for kind in ("monolithic", "eaas")}
+    if bound:
+        cpu[BOUND, "eaas"] = {c: {r: [] for r in ROLES} for c in args.concurrency}
     args.log_dir.mkdir(parents=True, exist_ok=True)
     try:
         for run in range(args.runs):
@@ -168,38 +192,49 @@ def main() -> int:
                 tag = "this" if tree == THIS else args.against_hash[:9]
                 say(f"run {run + 1}/{args.runs}: {tree}")
                 mono = measure(trees[tree], model, base, f"{tag}-monolithic", args)
-                ours = measure(trees[tree], model, eaas, f"{tag}-eaas", args)
+                measured = [(tree, measure(trees[tree], model, eaas, f"{tag}-eaas", args))]
+                if tree == THIS and bound:
+                    measured.append((BOUND, measure(bound, model, eaas, "no-expert-compute",
+                                                    args)))
                 for c in args.concurrency:
-                    for kind, got in (("monolithic", mono), ("eaas", ours)):
-                        for r, v in got[c]["cpu_per_1k"].items():
-                            cpu[tree, kind][c][r].append(v)
-                    ratios[tree][c][0].append(ours[c]["output_throughput"]
-                                              / mono[c]["output_throughput"])
-                    ratios[tree][c][1].append(ours[c]["mean_tpot_ms"] / mono[c]["mean_tpot_ms"])
+                    for r, v in mono[c]["cpu_per_1k"].items():
+                        cpu[tree, "monolithic"][c][r].append(v)
+                    for row, ours in measured:
+                        for r, v in ours[c]["cpu_per_1k"].items():
+                            cpu[row, "eaas"][c][r].append(v)
+                        ratios[row][c][0].append(ours[c]["output_throughput"]
+                                                 / mono[c]["output_throughput"])
+                        ratios[row][c][1].append(ours[c]["mean_tpot_ms"]
+                                                 / mono[c]["mean_tpot_ms"])
     except ServerError as exc:
         print(f"bench_guard: error: a server failed to start: {exc}", file=sys.stderr)
         return 1
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"bench_guard: error while measuring: {exc}", file=sys.stderr)
         return 1
-    lines = [f"`--eaas` path (`{args.eaas_args}`) of this tree (`{git_commit()}`) and of "
-             f"{other}, each against monolithic SGLang from the same tree; bench checkpoint; "
+    lines = [f"`--eaas` path (`{args.eaas_args}`) of this tree (`{git_commit()}`)"
+             + (f" and of {other}" if other else "")
+             + (", and of this tree with expert servers whose kernel returns zeros without "
+                "computing (a bound: every cost but the experts' arithmetic; its outputs are "
+                "wrong)" if bound else "")
+             + ", each against monolithic SGLang from the same tree; bench checkpoint; "
              f"`sglang.bench_serving --dataset-name random-ids --random-input-len "
              f"{args.input_len} --random-output-len {args.output_len}`, "
              f"{args.prompts_per_slot}xC prompts at concurrency C; median [min-max] of "
              f"{args.runs} runs (higher throughput ratio and lower TPOT ratio are better):", "",
              "| tree | C | output tok/s, eaas / monolithic | TPOT, eaas / monolithic |",
              "|---|---:|---:|---:|"]
-    for tree in trees:
+    for tree in rows:
         for c in args.concurrency:
             lines.append(f"| {tree} | {c} | {spread(ratios[tree][c][0], '.2f', 'x')} | "
                          f"{spread(ratios[tree][c][1], '.2f', 'x')} |")
-    lines += ["", f"This tree over {other} (ratio of the medians):"]
-    for c in args.concurrency:
-        ours, theirs = ratios[THIS][c], ratios[other][c]
-        speed = statistics.median(ours[0]) / statistics.median(theirs[0])
-        tpot = statistics.median(ours[1]) / statistics.median(theirs[1])
-        lines.append(f"- c={c}: throughput ratio {speed:.2f}x, TPOT ratio {tpot:.2f}x")
+    if other:
+        lines += ["", f"This tree over {other} (ratio of the medians):"]
+        for c in args.concurrency:
+            ours, theirs = ratios[THIS][c], ratios[other][c]
+            speed = statistics.median(ours[0]) / statistics.median(theirs[0])
+            tpot = statistics.median(ours[1]) / statistics.median(theirs[1])
+            lines.append(f"- c={c}: throughput ratio {speed:.2f}x, TPOT ratio {tpot:.2f}x")
     lines += ["", "CPU seconds per 1000 output tokens (user + system, read around each "
               "bench_serving run; median of the runs): SGLang's scheduler (the rank), the expert "
               "servers, the rest (launcher, tokenizer, detokenizer):", "",
