@@ -130,23 +130,25 @@ def test_a_live_rebalance_changes_no_token(monolithic, eaas, tmp_path):
     during: list[list[list[int]]] = []
     worker = threading.Thread(target=lambda: during.extend(_tokens(eaas) for _ in range(2)))
     worker.start()
-    # The server's own balancer (BALANCER) keeps the tier near balanced within the 20 slots it
-    # holds, and since a shift of the mix ends its cooldown it has often re-placed for this
-    # test's mix before the pass plans (then: "the placement stays as it is"). So the pass gets
-    # 4 more slots per server and a per-replica CV target of 0.05 (not 0.2): there is always
-    # something to add, whatever that balancer did just before.
+    # The server's own balancer (BALANCER) has usually balanced the tier for this test's mix
+    # by then, on 2 servers by which experts each holds alone (1.00-1.07x), and moeless, warm
+    # from a placement that good, adds nothing ("the placement stays as it is", 2026-11-29).
+    # SGLang's EPLB placement fills every slot it is given with replicas of the hottest experts
+    # whatever the placement before, so a pass of it within 24 slots always moves replicas.
     run = subprocess.run([sys.executable, "-m", "sglang_eaas.tools.rebalance", "--monitor",
-                          eaas.monitor, "--slots", "24", "--cv-target", "0.05", "--grace", "0.5",
+                          eaas.monitor, "--policy", "eplb", "--slots", "24", "--grace", "0.5",
                           "--state", str(tmp_path / "state.json"), "--wait", "120"],
                          env=dict(os.environ), capture_output=True, text=True, timeout=300)
     worker.join(600)
     assert run.returncode == 0, run.stderr
-    added = re.search(r"rebalance: (\d+) replicas added \((\d+) from peers", run.stdout)
-    assert added and int(added.group(1)) > 0 and added.group(1) == added.group(2), run.stdout
+    added = re.search(r"rebalance: (\d+) replicas added \((\d+) from peers, (\d+) from disk",
+                      run.stdout)
+    # none from disk: over the fabric from peers (a few may already be on the server itself)
+    assert added and int(added.group(1)) > 0 and added.group(3) == "0", run.stdout
     assert "entries the servers computed since they started" in run.stdout, run.stdout
     ratios = re.findall(r"busiest server measured ([\d.]+)x the mean, modelled ([\d.]+)x -> "
                         r"plan ([\d.]+)x", run.stdout)
-    assert ratios and all(float(a) <= float(b) + 1e-9 for _, b, a in ratios), run.stdout
+    assert len(ratios) == 4, run.stdout  # a line per MoE layer (EPLB need not beat moeless)
     assert during == [expected, expected]
     assert _tokens(eaas) == expected
     log = eaas.log_path.read_text()
