@@ -48,6 +48,7 @@ from sglang_eaas.balance import forecast  # noqa: E402
 from sglang_eaas.balance.evaluate import layer_load  # noqa: E402
 from sglang_eaas.balance.forecast import (RoutingBook, StepRequest, horizon_steps,  # noqa: E402
                                           load_overlap)
+from sglang_eaas.balance.known_futures import KnownFutures  # noqa: E402
 from sglang_eaas.balance.policy import BalancePolicy, BalanceSettings  # noqa: E402
 from sglang_eaas.holdings import Holdings  # noqa: E402
 from sglang_eaas.placement import parse_expert_list  # noqa: E402
@@ -294,18 +295,10 @@ class Replay:
 
     def knowing_running(self, running: list[Stream], n: int) -> np.ndarray:
         """The forecast with each running request's decode of the next ``n`` steps as it will
-        be (its recorded rows), the requests to come as the forecast spreads them
-        (``RoutingBook.starters``), and the forecast's prompts to come."""
-        L, K = len(self.layers), self.K
-        own = np.zeros((L, self.E))
-        for s in running:
-            rows = s.routing.output[:, s.fed:min(s.fed + n, self.args.output_len - 1)]
-            for i in range(L):
-                own[i] += np.bincount(rows[i].reshape(-1), minlength=self.E)
-        starters = self.book.starters(n)
-        rest = np.maximum(0.0, n * len(running) * K - own.sum(axis=1))[:, None]
-        return own + (0.0 if starters is None else rest * starters) \
-            + self.book.coming_prefill(n)
+        be (its recorded rows: ``RoutingBook.forecast_knowing``, as the live bound runs it), the
+        requests to come as the forecast spreads them, and the forecast's prompts to come."""
+        known = KnownFutures({s.key: s.routing.output for s in running}, self.E)
+        return self.book.forecast_knowing(n, known.entries) + self.book.coming_prefill(n)
 
     def served(self, holdings: Holdings, entries: np.ndarray) -> np.ndarray:
         """``[L, servers]``: one step's entries per server as the client deals them (each

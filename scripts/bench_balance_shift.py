@@ -182,14 +182,16 @@ def known_futures(args, path: Path) -> Path:
     return path
 
 
-def one(args, info, experts: list[str], slots: int, policy: str, run: int) -> Result:
+def one(args, info, experts: list[str], slots: int, policy: str, run: int,
+        known: Path | None = None) -> Result:
+    """One policy's run on a fresh tier (``known``: the recordings of ``known_futures``, for
+    ``KNOWING``)."""
     say(f"run {run}/{args.runs}, {policy}: a fresh tier")
     cfg = parse_config(config(args, experts, policy), f"balance-shift-{policy}")
     logs = args.log_dir / f"{policy}-{run}"
     deployment = Deployment(cfg, logs, progress=lambda line: say("  " + line))
     if policy == KNOWING:
-        deployment.env[envs.BALANCE_KNOWN_FUTURES.name] = str(known_futures(
-            args, args.log_dir / "known-futures.npz"))
+        deployment.env[envs.BALANCE_KNOWN_FUTURES.name] = str(known)
     with deployment:
         url = next(e.address for e in deployment.endpoints() if e.name.startswith("plain"))
         addresses = [c.address for c in deployment.expert_servers]
@@ -487,11 +489,13 @@ def main() -> int:
         return 2
     experts, slots = contiguous(info.num_experts, args.servers, args.extra_replicas)
     out, results = Report(args.out), []
+    known = (known_futures(args, args.log_dir / "known-futures.npz")
+             if KNOWING in args.policies else None)
     for run in range(1, args.runs + 1):
         order = args.policies if run % 2 else list(reversed(args.policies))
         for policy in order:
             try:
-                results.append(one(args, info, experts, slots, policy, run))
+                results.append(one(args, info, experts, slots, policy, run, known))
             except DeployError as exc:
                 print(f"bench_balance_shift: error: the tier did not deploy: {exc}",
                       file=sys.stderr)

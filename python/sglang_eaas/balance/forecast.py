@@ -295,13 +295,10 @@ class RoutingBook:
             entries = known(key, int(made), int(min(steps, left)))
             if entries is not None:
                 own += entries
-        rest = (_starters_spread(decode) if decode is not None
-                else _spread(arrivals) if arrivals else None)
-        if rest is not None:
-            own += np.maximum(0.0, steps * len(live) * self.top_k - own.sum(axis=1))[:, None] \
-                * rest
+        out = self._filled(steps, len(live), own, _starters_spread(decode) if decode is not None
+                           else _spread(arrivals) if arrivals else None)
         self.cost += time.perf_counter() - began
-        return own
+        return out
 
     def _window(self, steps: int, shares: np.ndarray, held: np.ndarray,
                 remaining: np.ndarray, rest: np.ndarray | None) -> np.ndarray:
@@ -310,19 +307,16 @@ class RoutingBook:
         (``[R, L, E]``, each layer summing to 1 or 0), the rest of the window as ``rest``
         (None: left out)."""
         kept = np.minimum(steps, remaining).astype(np.float64) * self.top_k * held
-        out = np.einsum("r,rle->le", kept, shares)
-        if rest is not None:
-            out += np.maximum(0.0, steps * len(held) * self.top_k - out.sum(axis=1))[:, None] \
-                * rest
-        return out
+        return self._filled(steps, len(held), np.einsum("r,rle->le", kept, shares), rest)
 
-    def starters(self, steps: int) -> np.ndarray | None:
-        """``[L, E]``, each layer summing to 1: how ``forecast`` spreads the decode of the
-        requests to come (the decode of those that started over the last ``steps`` steps);
-        None before any of them decoded."""
-        with self._lock:
-            decode = self._recent_decode(steps, np.fromiter(self._slot.values(), dtype=np.int64))
-        return None if decode is None else _starters_spread(decode)
+    def _filled(self, steps: int, running: int, out: np.ndarray, rest: np.ndarray | None
+                ) -> np.ndarray:
+        """``out`` (``[L, E]``, the running requests' own part) and the rest of the window's
+        ``steps * running * top_k`` entries per layer spread as ``rest`` (None: left out)."""
+        if rest is not None:
+            out = out + np.maximum(0.0, steps * running * self.top_k
+                                   - out.sum(axis=1))[:, None] * rest
+        return out
 
     def _recent_decode(self, steps: int, live: np.ndarray
                        ) -> list[tuple[np.ndarray, int]] | None:
