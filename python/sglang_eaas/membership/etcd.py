@@ -180,16 +180,18 @@ class EtcdMonitor(MonitorBackend):
             self._revision += 1  # wake the watchers: they read the prefix afresh
             self._cond.notify_all()
 
-    def _record_departure(self, departure: Departure) -> None:
+    def _record_departure(self, departure: Departure) -> Departure:
         """Under the lock: ``departure`` kept for the snapshots, once per incarnation (a watch
-        event and ``_vanished`` may both find it), and its member no longer timed."""
-        if any(d.id == departure.id and d.incarnation == departure.incarnation
-               for d in self._departures):
-            return
+        event and ``_vanished`` may both find it), and its member no longer timed. Returns the
+        one kept (the first found)."""
+        for kept in self._departures:
+            if kept.id == departure.id and kept.incarnation == departure.incarnation:
+                return kept
         self._departures.append(departure)
         name = f"{departure.kind}/{departure.id}"
         self._beats.pop(name, None)
         self._suspected.discard(name)
+        return departure
 
     def _departed(self, prev: dict) -> Departure | None:
         """The departure of the member whose record ``prev`` was (a DELETE event's)."""
@@ -280,24 +282,37 @@ class EtcdMonitor(MonitorBackend):
     def _vanished(self, members: list[Member], departures: tuple[Departure, ...],
                   revision: int) -> tuple[Departure, ...]:
         """The departures of the members this watcher listed last time and whose records are
-        gone now, where no watch event has told it yet: the members are read from etcd while
-        the departures come from the watch stream, which may lag the read (a loaded host) or
-        have missed the DELETE (the stream broke and was opened again), and a snapshot that
-        lacks a member must say why it left (a client keeps the last holder of an expert lost
-        on heartbeats alone, and tells a leave from a loss). Each is given ``revision``: this
-        snapshot's, so that the next one does not count it as new."""
+        gone now, where ``departures`` (what the watch stream had told before the members were
+        read) does not say why: the stream may lag the read (a loaded host), have missed the
+        DELETE (it broke and was opened again), or have told it between the two reads, and a
+        snapshot that lacks a member must say why it left (a client keeps the last holder of
+        an expert lost on heartbeats alone, and tells a leave from a loss). Each is stamped
+        ``revision``, this snapshot's, where kept too, so that the next snapshot does not
+        count it as new."""
         present = {f"{m.kind}/{m.id}" for m in members}
-        told = {(d.id, d.incarnation) for d in departures}
+        shown = {(d.id, d.incarnation) for d in departures}
         with self._cond:
             listed, self._listed = self._listed, {f"{m.kind}/{m.id}": m for m in members}
-            told |= {(d.id, d.incarnation) for d in self._departures}
-        gone = [self._departure_of(m) for name, m in listed.items()
-                if name not in present and (m.id, m.incarnation) not in told]
+        gone = [m for name, m in listed.items()
+                if name not in present and (m.id, m.incarnation) not in shown]
+        with self._cond:
+            told = {(d.id, d.incarnation) for d in self._departures}
+        why = {(m.id, m.incarnation): self._departure_of(m) for m in gone
+               if (m.id, m.incarnation) not in told}  # etcd reads, outside the lock
         found = []
         with self._cond:
-            for departure in gone:
-                departure = replace(departure, revision=revision)
-                self._record_departure(departure)
+            for member in gone:
+                key = (member.id, member.incarnation)
+                departure = next((d for d in self._departures
+                                  if (d.id, d.incarnation) == key), None)
+                if departure is None and key in why:
+                    departure = self._record_departure(replace(why[key], revision=revision))
+                if departure is None:  # told, and since pushed out of the kept ones
+                    continue
+                if departure.revision > revision:  # told by the stream since ``departures``
+                    self._departures.remove(departure)
+                    departure = replace(departure, revision=revision)
+                    self._departures.append(departure)
                 found.append(departure)
         return tuple(found)
 
