@@ -155,3 +155,46 @@ def test_expert_server_takes_experts_per_layer(tiny_qwen3):
         result = subprocess.run([sys.executable, "-m", "sglang_eaas.expert_server", *base,
                                  *args], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_taken_port_is_one_sentence_and_local_servers_never_race_for_one(tiny_qwen3):
+    """An expert server told to listen where another process already does says so in one
+    sentence. The launcher's local servers take ports of their own choosing and report them
+    (two launchers once picked the same free port and one server died: a CI failure); one
+    that took a port the launcher must keep free (SGLang's, not bound yet) is started again
+    elsewhere."""
+    import os
+    import socket
+
+    from sglang_eaas.launcher.local_servers import start_local_servers
+    from sglang_eaas.protocol.control import probe
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "sglang_eaas.expert_server",
+                                 "--model-path", str(tiny_qwen3), "--experts", "0", "--token",
+                                 "t", "--listen", f"127.0.0.1:{port}"],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use")
+
+    class SGLangsFirst(frozenset):  # whatever port the first server takes is SGLang's
+        seen: list[int] = []
+
+        def __contains__(self, port) -> bool:
+            self.seen.append(port)
+            return len(self.seen) == 1
+
+    avoid = SGLangsFirst()
+    (server,) = start_local_servers(tiny_qwen3, [[0, 1]], "float32", 1, avoid_ports=avoid,
+                                    stdout=subprocess.DEVNULL)
+    try:
+        first, second = avoid.seen
+        assert server.address == f"127.0.0.1:{second}" and second != first
+        stats = probe(server.address, os.environ["SGLANG_EAAS_TOKEN"])
+        assert list(stats.holdings.experts()) == [0, 1]
+    finally:
+        server.stop()

@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 from ibgda import TransportError
 from sglang_eaas import envs, transports
@@ -50,6 +51,12 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="control endpoint where clients join (port 0: pick a free one and print "
                    "it); default %(default)s")
+    p.add_argument("--ready-file", default=None, metavar="PATH",
+                   help="once serving (and registered with --monitor), write the control "
+                   "endpoint's HOST:PORT to PATH, whole (a rename): how a launcher that gave "
+                   "--listen port 0 learns which port this server took (the launcher's "
+                   "local:N servers are started so, leaving no moment in which another "
+                   "process could take a port picked for them)")
     p.add_argument("--token", default=None,
                    help="shared secret clients must present (default: the SGLANG_EAAS_TOKEN "
                    "environment variable, which keeps it off the command line); required")
@@ -267,6 +274,13 @@ def drain(address: str, token: str, force: bool, timeout: float) -> int:
         channel.close()
 
 
+def _write_whole(path: Path, text: str) -> None:
+    """``text`` in ``path``, which a reader finds absent or whole, never half written."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text + "\n")
+    partial.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(argv)
     if args.drain is not None:
@@ -278,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         server = ExpertServer(config)
-    except KernelUnavailable as exc:
+    except (KernelUnavailable, TransportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
@@ -300,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(server.info.moe_layers)} MoE layers, "
           f"{server.held.weight_bytes() / 2**20:.1f} MiB of weights"
           + (f", registered with {config.monitor}" if config.monitor else ""), flush=True)
+    if args.ready_file:
+        _write_whole(Path(args.ready_file), server.address)
     try:
         server.serve_forever()
     finally:

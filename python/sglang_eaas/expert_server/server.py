@@ -150,7 +150,12 @@ class ExpertServer:
         # still in flight for a slot's previous client can never pass for the new client's.
         self._joins = itertools.count(1)
         self.stats: collections.Counter[str] = collections.Counter()
-        self.control = control_endpoint(self, config.host, config.port, config.token)
+        try:
+            self.control = control_endpoint(self, config.host, config.port, config.token)
+        except OSError as exc:  # the port taken, the host not this machine's
+            self.region.close()
+            raise ibgda.TransportError(f"cannot listen on {config.host}:{config.port}: "
+                                       f"{exc.strerror or exc}") from None
         self.exports = WeightExports(self.held, self.address)
         self._stop = threading.Event()
         self.tick = time.monotonic()  # the serving loop's last pass (``healthy``)

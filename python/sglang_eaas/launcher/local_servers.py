@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ibgda import TransportError
-from sglang_eaas.addresses import accepts, free_port
+from sglang_eaas.addresses import parse_address
 from sglang_eaas.placement import PlacedExperts
 
 _PR_SET_PDEATHSIG = 1
@@ -57,37 +58,57 @@ def start_local_servers(model_path: str | Path, placements: list[PlacedExperts],
                         startup_timeout: float = 180.0, stdout=None,
                         avoid_ports: frozenset[int] = frozenset(),
                         host: str = "127.0.0.1") -> list[LocalServer]:
-    """Start one expert server per placement entry; return them once all answer.
+    """Start one expert server per placement entry; return them once all serve.
 
-    The servers write to ``stdout`` (default: the caller's, so their lines land in the SGLang
-    server log) and receive SIGTERM when the process that started them dies, however it dies.
-    ``avoid_ports``: ports that are taken though not bound yet (SGLang's own). ``host``: the
-    address they listen on (a loopback one gets ``shm`` slots, another ``mooncake``).
+    Each binds a port of its own choosing (``--listen HOST:0``) and writes it to a ready file
+    once serving (``--ready-file``): a port picked here and handed over would be free only
+    until another process on the host took it first (two launchers starting together did).
+    One that took a port of ``avoid_ports`` (taken though not bound yet: SGLang's own) is
+    stopped and started again. The servers write to ``stdout`` (default: the caller's, so
+    their lines land in the SGLang server log) and receive SIGTERM when the process that
+    started them dies, however it dies. ``host``: the address they listen on (a loopback one
+    gets ``shm`` slots, another ``mooncake``).
     """
-    servers = []
-    for experts in placements:
-        address = f"{host}:{free_port(avoid_ports)}"
-        command = [sys.executable, "-m", "sglang_eaas.expert_server", "--model-path",
-                   str(model_path), *expert_args(experts), "--listen", address,
-                   "--dtype", dtype, "--max-clients", str(max_clients), *extra_args]
-        process = subprocess.Popen(command, preexec_fn=die_with_parent, stdout=stdout,
-                                   stderr=subprocess.STDOUT if stdout else None)
-        servers.append(LocalServer(address, process))
-    deadline = time.monotonic() + startup_timeout
-    for server in servers:
-        while not accepts(server.address):
-            if server.process.poll() is not None or time.monotonic() > deadline:
-                for s in servers:
-                    s.stop()
-                why = (f"exited with code {server.process.returncode}"
-                       if server.process.poll() is not None
-                       else f"did not answer within {startup_timeout:.0f}s")
-                raise TransportError(
-                    f"local expert server {server.address} {why}; see its output above")
-            time.sleep(0.2)
+    with tempfile.TemporaryDirectory(prefix="eaas-ready-") as ready:
+        def spawn(index: int, experts: PlacedExperts) -> tuple[Path, subprocess.Popen]:
+            ready_file = Path(ready) / f"{index}-{time.monotonic_ns()}"
+            command = [sys.executable, "-m", "sglang_eaas.expert_server", "--model-path",
+                       str(model_path), *expert_args(experts), "--listen", f"{host}:0",
+                       "--ready-file", str(ready_file), "--dtype", dtype, "--max-clients",
+                       str(max_clients), *extra_args]
+            return ready_file, subprocess.Popen(
+                command, preexec_fn=die_with_parent, stdout=stdout,
+                stderr=subprocess.STDOUT if stdout else None)
+
+        starting = [spawn(i, experts) for i, experts in enumerate(placements)]
+        servers: list[LocalServer | None] = [None] * len(placements)
+        deadline = time.monotonic() + startup_timeout
+        try:
+            while None in servers:
+                for index, (ready_file, process) in enumerate(starting):
+                    if servers[index] is not None:
+                        continue
+                    if ready_file.exists():
+                        server = LocalServer(ready_file.read_text().strip(), process)
+                        if parse_address(server.address).port in avoid_ports:
+                            server.stop()  # it took SGLang's port: again, elsewhere
+                            starting[index] = spawn(index, placements[index])
+                        else:
+                            servers[index] = server
+                    elif process.poll() is not None:
+                        raise TransportError(f"a local expert server (experts "
+                                             f"{placements[index]}) exited with code "
+                                             f"{process.returncode}; see its output above")
+                if None in servers:
+                    if time.monotonic() > deadline:
+                        raise TransportError(f"local expert servers did not start within "
+                                             f"{startup_timeout:.0f}s; see their output above")
+                    time.sleep(0.1)
+        except BaseException:
+            for _, process in starting:
+                LocalServer("", process).stop()
+            raise
     return servers
-
-
 
 
 class LocalLauncher:
