@@ -515,6 +515,7 @@ def test_a_deepseek_v3_config_is_read_with_mla_and_shared_experts(tmp_path):
     assert m.attention_flops_per_pair == 2 * 128 * (512 + 64 + 512)
     assert m.shared_params == m.expert_bytes == 3 * 7168 * 2048  # one byte a weight: FP8
     assert (m.info.dtype, m.kv_dtype, m.servable) == ("float8_e4m3fn", "bfloat16", False)
+    assert m.activation_bytes == 2  # hidden states shipped in BF16, not the weights' FP8
     config = json.loads((DEEPSEEK_MODEL / "config.json").read_text())
     del config["kv_lora_rank"]
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -553,6 +554,42 @@ def test_published_anchor_deepseek_wide_ep_decode_is_stated_with_its_error():
     assert [a.published for a in anchors] == [20.0, 14800.0]
     for a in anchors:
         assert 1.0 < a.error < 2.0, (a.name, a.predicted, a.error)
+
+
+def test_published_anchor_eaas_double_batching_within_15_percent():
+    """A published anchor, not a measurement: EaaS's ablation (section 5.6) loses 25.9% of the
+    decode throughput at batch 4096 without double batching. The simulator's own step for 32
+    clients and 32 servers of DeepSeek-V3's shape on the H100 profile, against the roofline
+    sums computed here by hand (uniform load, BF16 hidden states both ways, each role on nodes
+    of its own), at 300 and 1000 KV tokens a sequence: within 15% of the published loss."""
+    from sglang_eaas.plan.anchors import eaas_double_batching
+    from sglang_eaas.plan.profile import load_profile
+
+    bw, fp8, bf16, link = 3.35e12, 1.979e15, 9.89e14, 50e9
+    side = 187_105_280 + 7168 * 256 + 3 * 7168 * 2048  # attention, router, shared expert
+    expert_bytes, mlp, head = 3 * 7168 * 2048, 3 * 7168 * 18432, 129280 * 7168
+
+    def attention(b, kv, weights):
+        return max((weights + b * kv * 1152) / bw,
+                   (2 * b * weights + 278_528 * b * kv * fp8 / bf16) / fp8)
+
+    def step(kv, halves):
+        b = 128 / halves  # a client's sequences in one micro-batch
+        n = 4096 * 8 / halves / 256  # each expert's entries
+        experts = 8 * max((1 - np.exp(-n)) * expert_bytes / bw, n * 2 * expert_bytes / fp8)
+        phase = 4e-6 + 32 * (b * 8 / 32) * 7168 * 2 / link  # one client's 32 messages
+        a = attention(b, kv, side)
+        assert 2 * phase > a + experts  # communication the larger part (docs/planning.md)
+        moe = (a + 2 * phase + experts if halves == 1 else
+               max(2 * (a + experts), 2 * (2 * phase)))
+        dense = attention(128, kv, 187_105_280) + max(mlp / bw, 2 * 128 * mlp / fp8)
+        return 58 * moe + 3 * dense + max(head / bw, 2 * 128 * head / fp8)
+
+    anchors = eaas_double_batching(load_profile("h100"))
+    assert [a.published for a in anchors] == [25.9, 25.9]
+    for a, kv in zip(anchors, (300, 1000)):
+        assert a.predicted == pytest.approx(100 * (1 - step(kv, 2) / step(kv, 1)), rel=1e-9)
+        assert abs(a.error) <= 0.15, (a.name, a.predicted)
 
 
 # -- load, traffic, search, the command ----------------------------------------------------------

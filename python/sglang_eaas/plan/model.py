@@ -58,6 +58,13 @@ class ModelSpec:
         return DTYPE_BYTES[self.kv_dtype] if self.kv_dtype else self.dtype_bytes
 
     @property
+    def activation_bytes(self) -> int:
+        """A hidden state's value: the activations' dtype, which an FP8 checkpoint's is not
+        (SGLang computes it in BF16; its KV cache, ``kv_dtype``, is in that dtype too). What
+        the tier ships to the expert servers and back."""
+        return self.kv_dtype_bytes
+
+    @property
     def moe_layers(self) -> int:
         return len(self.info.moe_layers)
 

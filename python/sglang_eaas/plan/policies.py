@@ -120,7 +120,7 @@ def profile_layer_cost(model: ModelSpec, profile: HardwareProfile, servers: int)
     hidden state over the inter-node link both ways (``entry_us``), a message's fixed cost both
     ways (``message_us``); every server a device of its own (``parallel``)."""
     dev, link = profile.device, profile.inter_node
-    entry_bytes = model.info.hidden_size * model.dtype_bytes
+    entry_bytes = model.info.hidden_size * model.activation_bytes
     return LayerCost(
         client_us=0.0, message_us=2e6 * link.message_s,
         entry_us=2e6 * entry_bytes / link.bandwidth,

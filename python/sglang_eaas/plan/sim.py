@@ -185,7 +185,7 @@ class Simulator:
         c = self.dep.attention
         work = Work((decode + prompts) / c, (self._context + prompts) / c,
                     (self._context + pairs) / c, (decode + len(self._prefilling)) / c)
-        dt, busy = self._step_time(work, decode + prompts)
+        dt, busy = self.step_time(work, decode + prompts)
         self._busy += busy
         self._tokens.append((self.now, decode + prompts))
         self._stepping = True
@@ -220,8 +220,9 @@ class Simulator:
         for c in self.controllers:
             c.finished(float(self.ttft[r]), float(self.tpot[r]))
 
-    def _step_time(self, work: Work, tokens: float) -> tuple[float, float]:
-        """Seconds of one step and the expert servers' mean busy seconds in it."""
+    def step_time(self, work: Work, tokens: float) -> tuple[float, float]:
+        """Seconds of one step of ``work`` on every attention instance (``tokens`` in all) and
+        the expert servers' mean busy seconds in it, on the tier as it stands."""
         dep, dev, g = self.dep, self.profile.device, self.dep.attention_gpus
         half = work.half() if dep.overlap else work
         attn = attention_layer(half, self.model, dev, g)
@@ -248,7 +249,7 @@ class Simulator:
         key = (self.tier.epoch, row, entries)
         if key not in self._cost_cache:
             phase = self.tier.phase(row, entries)
-            entry_bytes = self.model.info.hidden_size * self.model.dtype_bytes
+            entry_bytes = self.model.info.hidden_size * self.model.activation_bytes
             comm = fabric_phase(phase.entries, self.dep.attention, self.tier.attention_nodes,
                                 self.tier.server_nodes(), entry_bytes, self.profile,
                                 phase.routed)
