@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,14 +52,10 @@ def test_continuous_batching_chunked_prefill_and_radix_cache(monolithic_qwen3, t
     assert together == alone and again == alone
     assert re.search(r"#new-seq: [2-9]", log)  # requests really were batched (one prefill)
     assert re.search(r"#cached-token: [1-9]", log)  # and the radix cache was hit
-    # the rank runs the torch threads cores.rank_threads gives it beside its 2 local servers,
-    # and where they share the cores its OpenMP workers got the short spin in their environment
+    # the rank runs the torch threads its 2 local servers leave it (one on 2 cores)
     threads = cores.rank_threads(2, 1)
     if cpu_runtime.is_active() and threads < torch.get_num_threads():
         assert f"this rank runs {threads} torch thread(s), not {torch.get_num_threads()}" in log
-    if cpu_runtime.is_active() and cores.omp_spin_env(2, 1, os.environ):
-        assert (f"this rank's {threads} torch thread(s) sleep after "
-                f"GOMP_SPINCOUNT={cores.RANK_SPINCOUNT} spins") in log
 
 
 def test_mixtral(tiny_mixtral):

@@ -174,23 +174,16 @@ def test_local_ranks_do_not_spin_where_servers_share_the_cores(monkeypatch):
     assert prepare.client_poll_spin_us(0, servers=1, ranks=1) == 0
 
 
-def test_ranks_share_the_cores_with_local_servers_and_their_workers_sleep_soon(monkeypatch):
-    """Where local expert servers (one thread each) and the ranks outnumber the cores, a rank
-    runs its share of every core and its OpenMP workers sleep after a short spin (unless the
-    user set the wait policy); else its threads are the cores the servers leave, at least
-    one; without local servers SGLang's choice stands."""
+def test_ranks_leave_the_local_servers_their_cores(monkeypatch):
+    """A rank's torch threads are the cores the local expert servers (one thread each) leave,
+    split over the ranks, at least one; without local servers SGLang's choice stands."""
     from sglang_eaas import cores
 
     monkeypatch.setattr(cores, "usable_cores", lambda: 2)
-    assert cores.rank_threads(2, 1) == 2 and cores.rank_threads(2, 2) == 1
-    assert cores.rank_threads(1, 1) == 1 and cores.rank_threads(0, 1) is None
-    assert cores.omp_spin_env(2, 1, {}) == {"GOMP_SPINCOUNT": str(cores.RANK_SPINCOUNT)}
-    assert cores.omp_spin_env(1, 1, {}) == {}  # a core each: nothing to leave
-    assert cores.omp_spin_env(2, 1, {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
-    assert cores.omp_spin_env(2, 1, {"GOMP_SPINCOUNT": "5"}) == {}
+    assert cores.rank_threads(2, 1) == 1 and cores.rank_threads(1, 1) == 1
+    assert cores.rank_threads(2, 2) == 1 and cores.rank_threads(0, 1) is None
     monkeypatch.setattr(cores, "usable_cores", lambda: 16)
     assert cores.rank_threads(2, 1) == 14 and cores.rank_threads(4, 2) == 6
-    assert cores.omp_spin_env(2, 1, {}) == {}
 
 
 def test_eaas_refused_when_a_hook_did_not_apply(sglang_with_plugins, tiny_qwen3, capsys,

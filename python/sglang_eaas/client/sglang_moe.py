@@ -87,10 +87,6 @@ def _limit_threads(threads: int | None, server_args: Any) -> None:
                     "servers take the other cores (OMP_NUM_THREADS overrides)", threads,
                     torch.get_num_threads())
         torch.set_num_threads(threads)
-    if os.environ.get("GOMP_SPINCOUNT"):
-        logger.info("sglang-eaas: this rank's %d torch thread(s) sleep after GOMP_SPINCOUNT=%s "
-                    "spins, leaving the cores to the local expert servers while a layer is "
-                    "there", torch.get_num_threads(), os.environ["GOMP_SPINCOUNT"])
 
 
 def overlapped(server_args: Any) -> bool:

@@ -32,7 +32,7 @@ from sglang_eaas.config import (
     LocalSpawn,
     RemoteServers,
 )
-from sglang_eaas.cores import omp_spin_env, rank_threads, shares_cores
+from sglang_eaas.cores import rank_threads, shares_cores
 from sglang_eaas.holdings import Holdings
 from sglang_eaas.launcher.local_servers import start_local_servers
 from sglang_eaas.membership import EMBEDDED, connect
@@ -146,8 +146,6 @@ def prepare_expert_servers(cfg: EaasConfig, model_path: str, dtype: str,
                 avoid_ports=sglang_ports, extra_args=("--monitor", cfg.monitor, *spawn.flags))
             _stop_later(lambda: [s.stop() for s in local])
             wait_registered(cfg.monitor, [s.address for s in local])
-        # inherited by SGLang's ranks, spawned after this (cores.rank_threads)
-        os.environ.update(omp_spin_env(len(placements), num_ranks, os.environ))
         return dataclasses.replace(cfg, expert_servers=RemoteServers(
             tuple(s.address for s in local)), placement=None, transport=backend, spawn=spawn,
             poll_spin_us=client_poll_spin_us(cfg.poll_spin_us, len(placements), num_ranks),
