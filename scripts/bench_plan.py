@@ -52,7 +52,7 @@ from bench_lib.report import ROOT, Report, default_out, say  # noqa: E402
 from sglang_eaas.balance.policy import BalanceSettings  # noqa: E402
 from sglang_eaas.elastic.autoscaler import AutoscalePolicy  # noqa: E402
 from sglang_eaas.elastic.layout_policy import LayoutPolicy  # noqa: E402
-from sglang_eaas.plan.anchors import (DEEPEP_SOURCE, EAAS_SOURCE,  # noqa: E402
+from sglang_eaas.plan.anchors import (DEEPEP_SOURCE, EAAS_SOURCE, Anchor,  # noqa: E402
                                       deepep_low_latency, eaas_double_batching,
                                       wide_ep_decode)
 from sglang_eaas.plan.deployment import Deployment  # noqa: E402
@@ -146,6 +146,18 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def anchor_table(anchors: list[Anchor]) -> str:
+    """Published anchors against the model's predictions, a row each (a percentage's unit
+    written against its number, another after a space)."""
+    rows = ["| published anchor (not a measurement here) | published | predicted | error |",
+            "|---|---:|---:|---:|"]
+    for a in anchors:
+        unit = a.unit if a.unit == "%" else " " + a.unit
+        rows.append(f"| {a.name} | {a.published:g}{unit} | {a.predicted:.1f}{unit} | "
+                    f"{a.error:+.1%} |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     args = parse_args()
     scales = [64] if args.quick else [int(x) for x in args.scales.split(",")]
@@ -178,33 +190,22 @@ def main() -> int:
     report.add("\n".join(rows))
     h100 = load_profile("h100")
     anchors = deepep_low_latency(h100)
-    lines = ["| published anchor (not a measurement here) | published | predicted | error |",
-             "|---|---:|---:|---:|"]
-    lines += [f"| {a.name} | {a.published:g} {a.unit} | {a.predicted:.1f} {a.unit} | "
-              f"{a.error:+.1%} |" for a in anchors]
     median = statistics.median(abs(a.error) for a in anchors)
-    report.add("\n".join(lines) + f"\n\nSource: {DEEPEP_SOURCE}. The fabric model on the H100 "
+    report.add(anchor_table(anchors) + f"\n\nSource: {DEEPEP_SOURCE}. The fabric model on the H100 "
                f"profile's inter-node link (the same CX7 NIC); median absolute error "
                f"{median:.1%}, worst {max(abs(a.error) for a in anchors):.1%}.")
     decode = wide_ep_decode(h100)
-    lines = ["| published anchor (not a measurement here) | published | predicted | error |",
-             "|---|---:|---:|---:|"]
-    lines += [f"| {a.name} | {a.published:g} {a.unit} | {a.predicted:.1f} {a.unit} | "
-              f"{a.error:+.1%} |" for a in decode]
-    report.add("\n".join(lines) + "\n\nSources: " + "; ".join(sorted({a.source for a in decode}))
+    report.add(anchor_table(decode) + "\n\nSources: "
+               + "; ".join(sorted({a.source for a in decode}))
                + ". The whole step's cost model on the H100 profile (an H800 has its compute "
                "and memory): the model has no MTP, no time between steps and no imbalance, and "
                "takes every kernel at its roofline.")
     ablation = eaas_double_batching(h100)
-    lines = ["| published anchor (not a measurement here) | published | predicted | error |",
-             "|---|---:|---:|---:|"]
-    lines += [f"| {a.name} | {a.published:g}{a.unit} | {a.predicted:.1f}{a.unit} | "
-              f"{a.error:+.1%} |" for a in ablation]
-    report.add("\n".join(lines) + f"\n\nSource: {EAAS_SOURCE}. The simulator's own step on the "
-               "H100 profile (Hopper 80 GB), with and without two micro-batches: 32 clients "
-               "and 32 expert servers of DeepSeek-V3's shape, 128 sequences a client, uniform "
-               "load, BF16 hidden states both ways; the paper does not give the KV tokens a "
-               "sequence reads, so two bracket ShareGPT's.")
+    report.add(anchor_table(ablation) + f"\n\nSource: {EAAS_SOURCE}. The simulator's own "
+               "step on the H100 profile (Hopper 80 GB), with and without two micro-batches: "
+               "32 clients and 32 expert servers of DeepSeek-V3's shape, 128 sequences a "
+               "client, uniform load, BF16 hidden states both ways; the paper does not give "
+               "the KV tokens a sequence reads, so two bracket ShareGPT's.")
     report.save()
     return 0
 

@@ -303,10 +303,9 @@ class EtcdMonitor(MonitorBackend):
         with self._cond:
             for member in gone:
                 key = (member.id, member.incarnation)
-                departure = next((d for d in self._departures
-                                  if (d.id, d.incarnation) == key), None)
-                if departure is None and key in why:
-                    departure = self._record_departure(replace(why[key], revision=revision))
+                departure = (self._record_departure(replace(why[key], revision=revision))
+                             if key in why else next((d for d in self._departures
+                                                      if (d.id, d.incarnation) == key), None))
                 if departure is None:  # told, and since pushed out of the kept ones
                     continue
                 if departure.revision > revision:  # told by the stream since ``departures``

@@ -167,13 +167,12 @@ def eaas_double_batching(profile: HardwareProfile) -> list[Anchor]:
     empty = Traffic(np.zeros(0), np.zeros(0, int), np.zeros(0, int), "none")
     clients, batch = 32, 4096
     per_client = batch / clients
+    sims = {overlap: Simulator(Deployment(clients, 32, overlap=overlap), model, profile, load,
+                               empty, SimSettings(bucket=0.0)) for overlap in (False, True)}
     out = []
     for context in EAAS_CONTEXTS:
         work = Work(per_client, per_client * context, per_client * context, per_client)
-        step = {overlap: Simulator(Deployment(clients, 32, overlap=overlap), model, profile,
-                                   load, empty, SimSettings(bucket=0.0)
-                                   ).step_time(work, batch)[0]
-                for overlap in (False, True)}
+        step = {overlap: sim.step_time(work, batch)[0] for overlap, sim in sims.items()}
         lost = 100.0 * (1.0 - step[True] / step[False])
         out.append(Anchor(f"EaaS decode without double batching, throughput lost at batch "
                           f"4096 ({context} KV tokens a sequence)", EAAS_NO_DOUBLE_BATCHING,
