@@ -180,6 +180,11 @@ def test_a_taken_port_is_one_sentence_and_local_servers_never_race_for_one(tiny_
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: cannot listen on 127.0.0.1:{port}: Address already in use")
+    result = subprocess.run([sys.executable, "-m", "sglang_eaas.expert_server", "--model-path",
+                             str(tiny_qwen3), "--experts", "0", "--token", "t", "--ready-file",
+                             "/nonexistent/ready"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.strip().endswith(
+        "--ready-file: /nonexistent is not a folder"), result.stderr
 
     class SGLangsFirst(frozenset):  # whatever port the first server takes is SGLang's
         seen: list[int] = []

@@ -173,6 +173,8 @@ def parse_args(argv: list[str] | None = None):
         host, port = parse_address(args.listen, allow_port_zero=True)
     except AddressError as exc:
         p.error(f"--listen: {exc}")
+    if args.ready_file is not None and not Path(args.ready_file).parent.is_dir():
+        p.error(f"--ready-file: {Path(args.ready_file).parent} is not a folder")
     if not token:
         p.error(f"an expert server needs a shared token: pass --token or set {envs.TOKEN.name}")
     for flag in ("max_clients", "max_tokens", "min_batch_tokens", "threads"):
